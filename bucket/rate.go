@@ -1,0 +1,146 @@
+package bucket
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/big"
+	"strings"
+	"time"
+)
+
+// Rate is an exact refill rate in tokens per second, held as a reduced
+// fraction so that "10/1m" is exactly 1/6 token per second and never a
+// rounded float. The zero Rate is invalid.
+type Rate struct {
+	num, den int64 // tokens per second = num/den; both > 0, coprime
+}
+
+// ParseRate reads a refill rate written as <amount>/<period> or as a bare
+// <amount> (tokens per second). The amount is a decimal number ("10", "0.5",
+// "2.5e3"); the period is "s", "m", "h" or "d" alone (one of that unit), or a
+// duration such as "1m", "90s", "1h30m", "500ms" or "7d". Examples: "10/1m",
+// "25/s", "600/1h", "0.5/s", "3". It returns an error for a rate that is not
+// strictly positive and finite, and for one whose fraction does not fit in
+// 64 bits.
+func ParseRate(s string) (Rate, error) {
+	amountText, periodText, hasPeriod := strings.Cut(strings.TrimSpace(s), "/")
+	amount, err := parseAmount(amountText)
+	if err != nil {
+		return Rate{}, err
+	}
+	period := big.NewRat(1, 1)
+	if hasPeriod {
+		if period, err = parsePeriod(periodText); err != nil {
+			return Rate{}, err
+		}
+	}
+	return rateFromRat(new(big.Rat).Quo(amount, period))
+}
+
+// RateFromFloat returns the simplest fraction that rounds to f, so the float
+// form of a rate in a JSON config (0.16666666666666666 for 10/1m) is read back
+// as the exact rate it was written from (1/6). f must be finite and > 0.
+func RateFromFloat(f float64) (Rate, error) {
+	if math.IsNaN(f) || math.IsInf(f, 0) || f <= 0 {
+		return Rate{}, fmt.Errorf("refill rate %v must be a finite number > 0", f)
+	}
+	exact := new(big.Rat).SetFloat64(f)
+	// Walk the continued-fraction convergents of the exact binary value and
+	// stop at the first one that rounds to the same float64.
+	x := new(big.Rat).Set(exact)
+	p0, q0 := big.NewInt(0), big.NewInt(1)
+	p1, q1 := big.NewInt(1), big.NewInt(0)
+	for i := 0; i < 100; i++ {
+		a := new(big.Int).Quo(x.Num(), x.Denom())
+		p0, p1 = p1, new(big.Int).Add(new(big.Int).Mul(a, p1), p0)
+		q0, q1 = q1, new(big.Int).Add(new(big.Int).Mul(a, q1), q0)
+		cand := new(big.Rat).SetFrac(p1, q1)
+		if v, _ := cand.Float64(); v == f {
+			return rateFromRat(cand)
+		}
+		frac := new(big.Rat).Sub(x, new(big.Rat).SetInt(a))
+		if frac.Sign() == 0 {
+			break
+		}
+		x = frac.Inv(frac)
+	}
+	return rateFromRat(exact)
+}
+
+// Float64 returns the rate in tokens per second, rounded to the nearest float.
+func (r Rate) Float64() float64 {
+	f, _ := big.NewRat(r.num, r.den).Float64()
+	return f
+}
+
+// Fraction returns the rate as tokens per second = num/den, reduced.
+func (r Rate) Fraction() (num, den int64) { return r.num, r.den }
+
+// IsZero reports whether r is the invalid zero Rate.
+func (r Rate) IsZero() bool { return r.den == 0 }
+
+// String formats the rate as "<num>/s" or "<num>/<den>s".
+func (r Rate) String() string {
+	if r.den == 1 {
+		return fmt.Sprintf("%d/s", r.num)
+	}
+	return fmt.Sprintf("%d/%ds", r.num, r.den)
+}
+
+func rateFromRat(q *big.Rat) (Rate, error) {
+	if q.Sign() <= 0 {
+		return Rate{}, errors.New("refill rate must be > 0")
+	}
+	if !q.Num().IsInt64() || !q.Denom().IsInt64() {
+		return Rate{}, fmt.Errorf("refill rate %s is too fine-grained to hold exactly", q.RatString())
+	}
+	return Rate{num: q.Num().Int64(), den: q.Denom().Int64()}, nil
+}
+
+func parseAmount(s string) (*big.Rat, error) {
+	s = strings.TrimSpace(s)
+	if s == "" {
+		return nil, errors.New("missing refill amount")
+	}
+	// big.Rat accepts "a/b" too; the slash is already split off, so a
+	// leftover one is a syntax error. It rejects NaN and Inf.
+	amount, ok := new(big.Rat).SetString(s)
+	if !ok || strings.ContainsAny(s, "/") {
+		return nil, fmt.Errorf("refill amount %q is not a number", s)
+	}
+	if amount.Sign() <= 0 {
+		return nil, fmt.Errorf("refill amount %q must be > 0", s)
+	}
+	return amount, nil
+}
+
+// parsePeriod returns the period in seconds.
+func parsePeriod(s string) (*big.Rat, error) {
+	s = strings.TrimSpace(s)
+	switch s {
+	case "s":
+		return big.NewRat(1, 1), nil
+	case "m":
+		return big.NewRat(60, 1), nil
+	case "h":
+		return big.NewRat(3600, 1), nil
+	case "d":
+		return big.NewRat(86400, 1), nil
+	}
+	if days, ok := strings.CutSuffix(s, "d"); ok {
+		n, valid := new(big.Rat).SetString(days)
+		if !valid || n.Sign() <= 0 {
+			return nil, fmt.Errorf("refill period %q is not a duration", s)
+		}
+		return n.Mul(n, big.NewRat(86400, 1)), nil
+	}
+	d, err := time.ParseDuration(s)
+	if err != nil {
+		return nil, fmt.Errorf("refill period %q is not a duration", s)
+	}
+	if d <= 0 {
+		return nil, fmt.Errorf("refill period %q must be > 0", s)
+	}
+	return big.NewRat(int64(d), int64(time.Second)), nil
+}

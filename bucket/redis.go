@@ -1,0 +1,71 @@
+package bucket
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/token-bucket/token_bucket/lua"
+)
+
+// Redis is a store that keeps buckets in Redis and decides each request in
+// one EVALSHA of lua.TokenBucket. The client must have retries turned off
+// (MaxRetries -1): a script replayed after a read timeout would charge twice.
+// In Redis Cluster every key of one call must hash to one slot.
+type Redis struct {
+	Client redis.Scripter
+	// Script is the script to run; nil means lua.TokenBucket. Tests set it
+	// to a variant whose clock they drive.
+	Script *redis.Script
+}
+
+// Take decides a request whose buckets are at keys (one per take) and
+// charges them all if every one allows it. It is one round trip; NOSCRIPT is
+// recovered by go-redis with one EVAL.
+func (s Redis) Take(ctx context.Context, keys []string, takes []Take) (Decision, error) {
+	if len(keys) != len(takes) {
+		return Decision{}, fmt.Errorf("%d keys for %d buckets", len(keys), len(takes))
+	}
+	args := make([]any, 0, 4*len(takes))
+	for _, t := range takes {
+		args = append(args, t.Spec.CapacityUnits(), t.Spec.Refill, t.Spec.Scale, t.costUnits())
+	}
+	script := s.Script
+	if script == nil {
+		script = lua.TokenBucket
+	}
+	vals, err := script.Run(ctx, s.Client, keys, args...).Int64Slice()
+	if err != nil {
+		return Decision{}, fmt.Errorf("running token bucket script: %w", err)
+	}
+	return ParseReply(vals, takes)
+}
+
+// ParseReply turns the script's reply (3 integers per bucket: remaining,
+// wait_ms, full_ms; see lua/token_bucket.lua) into a Decision. It rejects a
+// reply of the wrong length or with values out of range.
+func ParseReply(vals []int64, takes []Take) (Decision, error) {
+	if len(vals) != 3*len(takes) {
+		return Decision{}, fmt.Errorf("token bucket reply has %d values, want %d", len(vals), 3*len(takes))
+	}
+	d := Decision{Buckets: make([]Result, len(takes))}
+	for i := range takes {
+		remaining, wait, full := vals[3*i], vals[3*i+1], vals[3*i+2]
+		if wait < -1 || full < 0 {
+			return Decision{}, errors.New("token bucket reply out of range: " + strconv.FormatInt(wait, 10) + " " + strconv.FormatInt(full, 10))
+		}
+		r := &d.Buckets[i]
+		r.Remaining, r.FullMS = remaining, full
+		switch {
+		case wait == -1:
+			r.Reason = CostExceedsCapacity
+		case wait > 0:
+			r.Reason, r.RetryAfterMS = RateLimited, wait
+		}
+	}
+	d.summarize()
+	return d, nil
+}

@@ -1,0 +1,227 @@
+package tokenbucket
+
+import (
+	"fmt"
+	"math"
+	"regexp"
+	"strconv"
+	"strings"
+
+	"github.com/token-bucket/token_bucket/bucket"
+)
+
+// Dimension is one identity along which requests are limited.
+type Dimension struct {
+	// Name of the dimension, used in tier limits, keys, headers and logs:
+	// 1 to 64 characters of letters, digits, '_' and '-'.
+	Name string `json:"name"`
+	// Identity is a placeholder template that gives the request's identity
+	// in this dimension, e.g. "{http.auth.user.id}", "{client_ip}" or
+	// "{http.request.header.X-API-Key}". When any placeholder in it is
+	// empty or unknown, the dimension is skipped for that request, so a
+	// missing value never lumps clients into one shared bucket. Identities
+	// that are IP addresses are masked to ipv4_prefix / ipv6_prefix bits.
+	Identity string `json:"identity"`
+}
+
+// Tier is a named set of limits, one or more per dimension.
+type Tier struct {
+	// Name of the tier (as given by tier_from): 1 to 64 characters of
+	// letters, digits, '_' and '-'.
+	Name string `json:"name"`
+	// Limits of this tier. A dimension with no limit here is not limited
+	// for requests in this tier.
+	Limits []Limit `json:"limits"`
+}
+
+// Limit is one token bucket per identity of a dimension.
+type Limit struct {
+	// Dimension names a declared dimension.
+	Dimension string `json:"dimension"`
+	// Capacity is the most tokens the bucket holds: the largest burst.
+	// An integer > 0.
+	Capacity int64 `json:"capacity"`
+	// RefillRate is the refill in tokens per second, > 0 and finite. It is
+	// read as the simplest fraction that rounds to this number, so the
+	// Caddyfile's 10/1m (0.16666666666666666) is exactly 1/6 per second.
+	RefillRate float64 `json:"refill_rate"`
+	// Unit is what a token is: "requests" (the default; each request costs
+	// 1) or "tokens" (each request costs the handler's cost, e.g. LLM
+	// tokens). A dimension may have one limit of each unit.
+	Unit string `json:"unit,omitempty"`
+}
+
+// Units of a limit.
+const (
+	UnitRequests = "requests"
+	UnitTokens   = "tokens"
+)
+
+// Policies for on_redis_error.
+const (
+	PolicyLocal = "local"
+	PolicyAllow = "allow"
+	PolicyDeny  = "deny"
+)
+
+// MaxCost is the largest cost a request may carry: 2^53 - 1, the largest
+// integer that JSON and the Lua script hold exactly.
+const MaxCost = bucket.MaxExact - 1
+
+// maxDimensions bounds the dimensions of a handler.
+const maxDimensions = 64
+
+var nameRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,64}$`)
+
+// validate checks the configuration and returns the first problem, naming
+// the JSON field and its value. It has no side effects.
+func (h *Handler) validate() error {
+	if err := h.Redis.validate(); err != nil {
+		return err
+	}
+	if strings.ContainsAny(h.KeyPrefix, "{}") {
+		return fmt.Errorf("key_prefix %q: must not contain '{' or '}' (they would set the Redis Cluster hash slot)", h.KeyPrefix)
+	}
+	if len(h.KeyPrefix) > 64 {
+		return fmt.Errorf("key_prefix %q: longer than 64 bytes", h.KeyPrefix)
+	}
+	if h.IPv4Prefix < 0 || h.IPv4Prefix > 32 {
+		return fmt.Errorf("ipv4_prefix %d: must be from 1 to 32", h.IPv4Prefix)
+	}
+	if h.IPv6Prefix < 0 || h.IPv6Prefix > 128 {
+		return fmt.Errorf("ipv6_prefix %d: must be from 1 to 128", h.IPv6Prefix)
+	}
+	if len(h.Dimensions) > maxDimensions {
+		return fmt.Errorf("dimensions: %d declared, at most %d", len(h.Dimensions), maxDimensions)
+	}
+	dims := make(map[string]bool, len(h.Dimensions))
+	for i, d := range h.Dimensions {
+		if !nameRE.MatchString(d.Name) {
+			return fmt.Errorf("dimensions[%d].name %q: must be 1 to 64 letters, digits, '_' or '-'", i, d.Name)
+		}
+		if dims[d.Name] {
+			return fmt.Errorf("dimensions[%d].name %q: duplicate dimension", i, d.Name)
+		}
+		if strings.TrimSpace(d.Identity) == "" {
+			return fmt.Errorf("dimensions[%d].identity: dimension %q has no identity template", i, d.Name)
+		}
+		dims[d.Name] = true
+	}
+	if len(h.Tiers) == 0 {
+		return fmt.Errorf("tiers: at least one tier is required")
+	}
+	tiers := make(map[string]bool, len(h.Tiers))
+	for i, t := range h.Tiers {
+		if err := t.validate(i, dims); err != nil {
+			return err
+		}
+		if tiers[t.Name] {
+			return fmt.Errorf("tiers[%d].name %q: duplicate tier", i, t.Name)
+		}
+		tiers[t.Name] = true
+	}
+	if h.DefaultTier != "" && !tiers[h.DefaultTier] {
+		return fmt.Errorf("default_tier %q: no tier has that name", h.DefaultTier)
+	}
+	if _, err := staticCost(h.Cost); err != nil {
+		return fmt.Errorf("cost %q: %v", h.Cost, err)
+	}
+	switch h.OnRedisError {
+	case "", PolicyLocal, PolicyAllow, PolicyDeny:
+	default:
+		return fmt.Errorf("on_redis_error %q: must be local, allow or deny", h.OnRedisError)
+	}
+	switch h.OnDeny {
+	case "", DenyRespond, DenyError:
+	default:
+		return fmt.Errorf("on_deny %q: must be respond or error", h.OnDeny)
+	}
+	if h.LocalBuckets < 0 {
+		return fmt.Errorf("local_buckets %d: must be > 0", h.LocalBuckets)
+	}
+	return nil
+}
+
+func (t Tier) validate(i int, dims map[string]bool) error {
+	if !nameRE.MatchString(t.Name) {
+		return fmt.Errorf("tiers[%d].name %q: must be 1 to 64 letters, digits, '_' or '-'", i, t.Name)
+	}
+	if len(t.Limits) == 0 {
+		return fmt.Errorf("tiers[%d].limits: tier %q has no limits", i, t.Name)
+	}
+	seen := make(map[string]bool, len(t.Limits))
+	for j, l := range t.Limits {
+		field := fmt.Sprintf("tiers[%d].limits[%d]", i, j)
+		if !dims[l.Dimension] {
+			return fmt.Errorf("%s.dimension %q: tier %q limits an undeclared dimension", field, l.Dimension, t.Name)
+		}
+		if _, err := l.spec(); err != nil {
+			return fmt.Errorf("%s: tier %q, dimension %q: %v", field, t.Name, l.Dimension, err)
+		}
+		unit := l.unit()
+		if seen[l.Dimension+" "+unit] {
+			return fmt.Errorf("%s: tier %q has two %s limits on dimension %q", field, t.Name, unit, l.Dimension)
+		}
+		seen[l.Dimension+" "+unit] = true
+	}
+	return nil
+}
+
+func (l Limit) unit() string {
+	if l.Unit == "" {
+		return UnitRequests
+	}
+	return l.Unit
+}
+
+// spec checks the limit's numbers and compiles them.
+func (l Limit) spec() (bucket.Spec, error) {
+	switch l.Unit {
+	case "", UnitRequests, UnitTokens:
+	default:
+		return bucket.Spec{}, fmt.Errorf("unit %q: must be requests or tokens", l.Unit)
+	}
+	if l.Capacity <= 0 || l.Capacity > MaxCost {
+		return bucket.Spec{}, fmt.Errorf("capacity %d: must be an integer from 1 to %d", l.Capacity, int64(MaxCost))
+	}
+	if math.IsNaN(l.RefillRate) || math.IsInf(l.RefillRate, 0) || l.RefillRate <= 0 {
+		return bucket.Spec{}, fmt.Errorf("refill_rate %v: must be a finite number > 0", l.RefillRate)
+	}
+	rate, err := bucket.RateFromFloat(l.RefillRate)
+	if err != nil {
+		return bucket.Spec{}, fmt.Errorf("refill_rate %v: %v", l.RefillRate, err)
+	}
+	return bucket.Limit{Capacity: l.Capacity, Rate: rate}.Spec()
+}
+
+// staticCost parses a cost that has no placeholders; it returns -1 for a
+// template to evaluate per request.
+func staticCost(cost string) (int64, error) {
+	if cost == "" {
+		return 1, nil
+	}
+	if strings.Contains(cost, "{") {
+		return -1, nil
+	}
+	return parseCost(cost)
+}
+
+// parseCost reads a request's cost: an integer from 0 to MaxCost, in
+// decimal digits only (no sign, fraction or exponent).
+func parseCost(s string) (int64, error) {
+	if s == "" || len(s) > 16 {
+		return 0, errInvalidCost
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] < '0' || s[i] > '9' {
+			return 0, errInvalidCost
+		}
+	}
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || n > MaxCost {
+		return 0, errInvalidCost
+	}
+	return n, nil
+}
+
+var errInvalidCost = fmt.Errorf("must be an integer from 0 to %d", int64(MaxCost))

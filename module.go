@@ -1,0 +1,262 @@
+// Package tokenbucket is a Caddy HTTP handler that rate-limits requests with
+// token buckets kept in Redis, for API gateways and above all LLM inference
+// backends: per tier, along several identity dimensions at once (user, API
+// key, client IP, any placeholder), all decided in one atomic Lua script so
+// that no two gateways can both spend the last token.
+//
+// The module is http.handlers.token_bucket; its Caddyfile directive is
+// token_bucket, ordered after forward_auth.
+package tokenbucket
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/token-bucket/token_bucket/bucket"
+)
+
+func init() {
+	caddy.RegisterModule(Handler{})
+}
+
+// Values of on_deny.
+const (
+	DenyRespond = "respond"
+	DenyError   = "error"
+)
+
+// Handler rate-limits requests with token buckets in Redis. For each request
+// it resolves the tier, then each dimension's identity, and decides all of
+// the tier's buckets for those identities in one Redis round trip: the
+// request passes to the next handler only if every bucket has the tokens, and
+// only then is any bucket charged. A denial is a 429 with Retry-After and the
+// IETF RateLimit headers.
+type Handler struct {
+	// Redis says how to reach Redis (default 127.0.0.1:6379).
+	Redis *RedisConfig `json:"redis,omitempty"`
+
+	// KeyPrefix starts every Redis key (default "rl:"). It must not contain
+	// '{' or '}'. Keys are <key_prefix>{<dimension>:<id>}[:tokens]; see
+	// bucket.Keyer for <id>.
+	KeyPrefix string `json:"key_prefix,omitempty"`
+
+	// KeySecret, when set, makes <id> an HMAC-SHA-256 of the identity under
+	// this secret instead of a plain SHA-256, so that a reader of Redis
+	// cannot test guesses of an identity. Placeholders work
+	// ("{env.TOKEN_BUCKET_KEY_SECRET}"). Changing it starts every bucket
+	// afresh.
+	KeySecret string `json:"key_secret,omitempty"`
+
+	// Dimensions are the identities along which requests are limited, in
+	// order. A request is limited in each dimension that its tier has a
+	// limit for and whose identity resolves.
+	Dimensions []Dimension `json:"dimensions,omitempty"`
+
+	// IPv4Prefix is the number of leading bits kept of an identity that is
+	// an IPv4 address, so one bucket covers a network (default 32: one
+	// address). 1 to 32.
+	IPv4Prefix int `json:"ipv4_prefix,omitempty"`
+
+	// IPv6Prefix is the same for IPv6 (default 64: one /64, the block an
+	// ISP hands a single subscriber, so rotating addresses inside it does
+	// not escape the limit). 1 to 128.
+	IPv6Prefix int `json:"ipv6_prefix,omitempty"`
+
+	// TierFrom is a placeholder template giving the request's tier name,
+	// e.g. "{tier}" set by a map from the API key. Never point it at a raw
+	// client header: a client could name its own tier. Empty (the default)
+	// means every request is in default_tier.
+	TierFrom string `json:"tier_from,omitempty"`
+
+	// DefaultTier is the tier of requests whose tier_from is empty or names
+	// no tier (default: the first tier).
+	DefaultTier string `json:"default_tier,omitempty"`
+
+	// Tiers are the named sets of limits. At least one.
+	Tiers []Tier `json:"tiers,omitempty"`
+
+	// Cost is what a request costs in limits of unit "tokens": an integer
+	// from 0 to 2^53-1, or a placeholder template that gives one per request
+	// (e.g. "{http.request.header.X-Estimated-Tokens}"). Default 1. A request
+	// whose cost is not such an integer gets 400 invalid_cost. Limits of
+	// unit "requests" always cost 1.
+	Cost string `json:"cost,omitempty"`
+
+	// OnRedisError says what happens when Redis fails or does not answer in
+	// time: "local" (the default) decides from buckets in this process's
+	// memory with the same limits; "allow" lets the request through; "deny"
+	// answers 503. Responses decided this way carry no RateLimit headers and
+	// set {http.token_bucket.degraded} to "true".
+	OnRedisError string `json:"on_redis_error,omitempty"`
+
+	// LocalBuckets bounds the buckets held in memory for on_redis_error
+	// local (default 500000, about 75 MB); the least recently used bucket
+	// is forgotten first.
+	LocalBuckets int `json:"local_buckets,omitempty"`
+
+	// OnDeny says how a denial is answered: "respond" (the default) writes
+	// the 429 with its JSON body; "error" returns a Caddy error with status
+	// 429 (or 400 for an invalid cost) so that handle_errors renders it. The
+	// headers and placeholders are set either way.
+	OnDeny string `json:"on_deny,omitempty"`
+
+	logger  *zap.Logger
+	keyer   bucket.Keyer
+	tiers   map[string]*tier
+	deflt   *tier
+	cost    int64 // -1: evaluate the Cost template per request
+	timeout time.Duration
+	store   store
+	local   *bucket.Local
+	poolKey string
+	now     func() time.Time
+}
+
+// store decides a request's buckets; bucket.Redis and bucket.Local are
+// stores.
+type store interface {
+	Take(ctx context.Context, keys []string, takes []bucket.Take) (bucket.Decision, error)
+}
+
+// CaddyModule returns the Caddy module information.
+func (Handler) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.token_bucket",
+		New: func() caddy.Module { return new(Handler) },
+	}
+}
+
+// Provision sets defaults, compiles the tiers and takes a shared Redis
+// client.
+func (h *Handler) Provision(ctx caddy.Context) error {
+	h.logger = ctx.Logger()
+	if h.KeyPrefix == "" {
+		h.KeyPrefix = "rl:"
+	}
+	if h.IPv4Prefix == 0 {
+		h.IPv4Prefix = 32
+	}
+	if h.IPv6Prefix == 0 {
+		h.IPv6Prefix = 64
+	}
+	if err := h.validate(); err != nil {
+		return err
+	}
+	h.tiers, h.deflt = compileTiers(h.Dimensions, h.Tiers, h.DefaultTier)
+	h.cost, _ = staticCost(h.Cost)
+	h.keyer = bucket.NewKeyer(h.KeyPrefix, caddy.NewReplacer().ReplaceKnown(h.KeySecret, ""))
+	if h.now == nil {
+		h.now = time.Now
+	}
+	if h.OnRedisError == "" || h.OnRedisError == PolicyLocal {
+		h.local = bucket.NewLocal(h.LocalBuckets, h.now)
+	}
+	opt, err := h.Redis.options()
+	if err != nil {
+		return err
+	}
+	h.timeout = opt.ReadTimeout
+	client, key, err := acquire(opt)
+	if err != nil {
+		return fmt.Errorf("connecting to redis: %w", err)
+	}
+	h.poolKey = key
+	h.store = bucket.Redis{Client: client}
+	if err := ping(ctx, client, h.timeout); err != nil {
+		h.logger.Warn("redis is not answering yet; on_redis_error applies until it does",
+			zap.String("addr", opt.Addr), zap.Error(err))
+	}
+	return nil
+}
+
+// Validate checks the configuration; it has no side effects.
+func (h *Handler) Validate() error { return h.validate() }
+
+// Cleanup releases the shared Redis client.
+func (h *Handler) Cleanup() error {
+	if h.poolKey == "" {
+		return nil
+	}
+	_, err := clients.Delete(h.poolKey)
+	return err
+}
+
+// ServeHTTP decides the request's buckets and either calls next or denies.
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	t := h.resolveTier(repl)
+	repl.Set("http.token_bucket.tier", t.name)
+
+	req, err := h.buildRequest(repl, t)
+	if err != nil {
+		return h.invalidCost(w, repl)
+	}
+	if len(req.takes) == 0 {
+		repl.Set("http.token_bucket.decision", "allowed")
+		return next.ServeHTTP(w, r)
+	}
+
+	ctx, cancel := context.WithTimeout(r.Context(), h.timeout)
+	d, err := h.store.Take(ctx, req.keys, req.takes)
+	cancel()
+	if err != nil {
+		return h.degraded(w, r, next, repl, t, req, err)
+	}
+	h.writeHeaders(w.Header(), req.limits, &d)
+	setPlaceholders(repl, req.limits, &d)
+	if d.Allowed {
+		return next.ServeHTTP(w, r)
+	}
+	return h.deny(w, t, req, &d)
+}
+
+// degraded decides a request that Redis could not, by on_redis_error.
+func (h *Handler) degraded(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler,
+	repl *caddy.Replacer, t *tier, req *request, cause error) error {
+	repl.Set("http.token_bucket.degraded", "true")
+	if c := h.logger.Check(zap.WarnLevel, "redis call failed; on_redis_error applies"); c != nil {
+		c.Write(zap.String("on_redis_error", h.policy()), zap.Error(cause))
+	}
+	switch h.policy() {
+	case PolicyAllow:
+		repl.Set("http.token_bucket.decision", "allowed")
+		return next.ServeHTTP(w, r)
+	case PolicyDeny:
+		repl.Set("http.token_bucket.decision", "unavailable")
+		return h.unavailable(w)
+	}
+	d, err := h.local.Take(r.Context(), req.keys, req.takes)
+	if err != nil {
+		return caddyhttp.Error(http.StatusServiceUnavailable, err)
+	}
+	setPlaceholders(repl, req.limits, &d)
+	if d.Allowed {
+		return next.ServeHTTP(w, r)
+	}
+	return h.deny(w, t, req, &d)
+}
+
+func (h *Handler) policy() string {
+	if h.OnRedisError == "" {
+		return PolicyLocal
+	}
+	return h.OnRedisError
+}
+
+var errDenied = errors.New("rate limit exceeded")
+
+// Interface guards
+var (
+	_ caddy.Provisioner           = (*Handler)(nil)
+	_ caddy.Validator             = (*Handler)(nil)
+	_ caddy.CleanerUpper          = (*Handler)(nil)
+	_ caddyhttp.MiddlewareHandler = (*Handler)(nil)
+)

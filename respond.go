@@ -1,0 +1,144 @@
+package tokenbucket
+
+import (
+	"net/http"
+	"strconv"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/token-bucket/token_bucket/bucket"
+)
+
+// writeHeaders sets the rate-limit headers of a decision made by Redis:
+// RateLimit-Policy and RateLimit (draft-ietf-httpapi-ratelimit-headers), one
+// item per bucket, and X-RateLimit-Limit/Remaining/Reset for the most
+// constrained bucket.
+func (h *Handler) writeHeaders(hdr http.Header, limits []*limit, d *bucket.Decision) {
+	policy := make([]byte, 0, 40*len(limits))
+	state := make([]byte, 0, 32*len(limits))
+	for i, l := range limits {
+		if i > 0 {
+			policy = append(policy, ", "...)
+			state = append(state, ", "...)
+		}
+		policy = append(policy, l.policy...)
+		b := &d.Buckets[i]
+		state = append(state, '"')
+		state = append(state, l.name...)
+		state = append(state, `";r=`...)
+		state = strconv.AppendInt(state, b.Remaining, 10)
+		state = append(state, ";t="...)
+		state = strconv.AppendInt(state, resetSeconds(b), 10)
+	}
+	hdr["Ratelimit-Policy"] = []string{string(policy)}
+	hdr["Ratelimit"] = []string{string(state)}
+
+	i := constrained(limits, d)
+	hdr["X-Ratelimit-Limit"] = []string{strconv.FormatInt(limits[i].spec.Capacity, 10)}
+	hdr["X-Ratelimit-Remaining"] = []string{strconv.FormatInt(d.Buckets[i].Remaining, 10)}
+	hdr["X-Ratelimit-Reset"] = []string{strconv.FormatInt(resetSeconds(&d.Buckets[i]), 10)}
+}
+
+// resetSeconds is a bucket's t: the seconds until it can serve the request
+// when it denies, else until it is full again; rounded up.
+func resetSeconds(b *bucket.Result) int64 {
+	if b.Reason == bucket.RateLimited {
+		return (b.RetryAfterMS + 999) / 1000
+	}
+	return (b.FullMS + 999) / 1000
+}
+
+// constrained returns the index of the most constrained bucket: the one
+// that decided a denial, else the one with the smallest share of its
+// capacity left (the first on a tie).
+func constrained(limits []*limit, d *bucket.Decision) int {
+	if d.Deciding >= 0 {
+		return d.Deciding
+	}
+	best, share := 0, 2.0
+	for i, b := range d.Buckets {
+		if s := float64(b.Remaining) / float64(limits[i].spec.Capacity); s < share {
+			best, share = i, s
+		}
+	}
+	return best
+}
+
+// setPlaceholders sets {http.token_bucket.*} for later handlers and logs.
+func setPlaceholders(repl *caddy.Replacer, limits []*limit, d *bucket.Decision) {
+	i := constrained(limits, d)
+	repl.Set("http.token_bucket.remaining", d.Buckets[i].Remaining)
+	if d.Allowed {
+		repl.Set("http.token_bucket.decision", "allowed")
+		return
+	}
+	repl.Set("http.token_bucket.decision", "denied")
+	repl.Set("http.token_bucket.dimension", limits[i].dimension)
+	if d.Reason == bucket.RateLimited {
+		repl.Set("http.token_bucket.retry_after", d.RetryAfterSeconds())
+	}
+}
+
+// deny answers a denied request: 429 with Retry-After, retry-after-ms and a
+// JSON body, or a Caddy error for handle_errors when on_deny is "error".
+func (h *Handler) deny(w http.ResponseWriter, t *tier, req *request, d *bucket.Decision) error {
+	hdr := w.Header()
+	hdr["Cache-Control"] = []string{"no-store"}
+	l := req.limits[d.Deciding]
+	body := make([]byte, 0, 160)
+	body = append(body, `{"error":"`...)
+	body = append(body, d.Reason.String()...)
+	body = append(body, '"')
+	if d.Reason == bucket.RateLimited {
+		hdr["Retry-After"] = []string{strconv.FormatInt(d.RetryAfterSeconds(), 10)}
+		hdr["Retry-After-Ms"] = []string{strconv.FormatInt(d.RetryAfterMS, 10)}
+		body = append(body, `,"retry_after":`...)
+		body = strconv.AppendInt(body, d.RetryAfterSeconds(), 10)
+		body = append(body, `,"retry_after_ms":`...)
+		body = strconv.AppendInt(body, d.RetryAfterMS, 10)
+	} else {
+		body = append(body, `,"cost":`...)
+		body = strconv.AppendInt(body, req.takes[d.Deciding].Cost, 10)
+		body = append(body, `,"capacity":`...)
+		body = strconv.AppendInt(body, l.spec.Capacity, 10)
+	}
+	// Tier and dimension names are validated to [A-Za-z0-9_-]: no escaping.
+	body = append(body, `,"tier":"`...)
+	body = append(body, t.name...)
+	body = append(body, `","dimension":"`...)
+	body = append(body, l.dimension...)
+	body = append(body, "\"}\n"...)
+	if h.OnDeny == DenyError {
+		return caddyhttp.Error(http.StatusTooManyRequests, errDenied)
+	}
+	return writeJSON(w, http.StatusTooManyRequests, body)
+}
+
+// invalidCost answers a request whose cost is not an integer from 0 to
+// MaxCost with 400 invalid_cost. The bad value is not echoed.
+func (h *Handler) invalidCost(w http.ResponseWriter, repl *caddy.Replacer) error {
+	repl.Set("http.token_bucket.decision", "invalid_cost")
+	if h.OnDeny == DenyError {
+		return caddyhttp.Error(http.StatusBadRequest, errInvalidCost)
+	}
+	return writeJSON(w, http.StatusBadRequest,
+		[]byte(`{"error":"invalid_cost","message":"the request's cost must be an integer from 0 to 9007199254740991"}`+"\n"))
+}
+
+// unavailable answers 503 for on_redis_error deny; never 429, which would
+// tell the client it was over a limit it may not be over.
+func (h *Handler) unavailable(w http.ResponseWriter) error {
+	w.Header()["Retry-After"] = []string{"1"}
+	return writeJSON(w, http.StatusServiceUnavailable,
+		[]byte(`{"error":"rate_limiter_unavailable","message":"the rate limiter cannot reach its store; retry shortly"}`+"\n"))
+}
+
+func writeJSON(w http.ResponseWriter, status int, body []byte) error {
+	hdr := w.Header()
+	hdr["Content-Type"] = []string{"application/json"}
+	hdr["Content-Length"] = []string{strconv.Itoa(len(body))}
+	w.WriteHeader(status)
+	_, err := w.Write(body)
+	return err
+}

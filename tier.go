@@ -1,0 +1,145 @@
+package tokenbucket
+
+import (
+	"math"
+	"net/netip"
+	"strconv"
+
+	"github.com/caddyserver/caddy/v2"
+
+	"github.com/token-bucket/token_bucket/bucket"
+)
+
+// tier is a Tier compiled for the request path.
+type tier struct {
+	name   string
+	limits []limit
+}
+
+// limit is a Limit compiled for the request path.
+type limit struct {
+	dim       int // index into Handler.Dimensions
+	dimension string
+	unit      string // key suffix: "" for requests, "tokens" for tokens
+	tokens    bool   // costs the request's cost rather than 1
+	spec      bucket.Spec
+	name      string // header item name: the dimension, "-tokens" appended for tokens
+	policy    string // the RateLimit-Policy item, e.g. "user";q=10;w=60
+}
+
+// compileTiers turns validated tiers into their request-path form and
+// returns them by name with the default tier.
+func compileTiers(dims []Dimension, tiers []Tier, defaultTier string) (map[string]*tier, *tier) {
+	index := make(map[string]int, len(dims))
+	for i, d := range dims {
+		index[d.Name] = i
+	}
+	byName := make(map[string]*tier, len(tiers))
+	for _, t := range tiers {
+		ct := &tier{name: t.Name}
+		for _, l := range t.Limits {
+			spec, _ := l.spec() // validated
+			cl := limit{dim: index[l.Dimension], dimension: l.Dimension, spec: spec, name: l.Dimension}
+			if l.unit() == UnitTokens {
+				cl.unit, cl.tokens, cl.name = UnitTokens, true, l.Dimension+"-tokens"
+			}
+			cl.policy = policyItem(cl.name, l.Capacity, l.RefillRate)
+			ct.limits = append(ct.limits, cl)
+		}
+		byName[t.Name] = ct
+	}
+	deflt := byName[tiers[0].Name]
+	if defaultTier != "" {
+		deflt = byName[defaultTier]
+	}
+	return byName, deflt
+}
+
+// policyItem formats a RateLimit-Policy item (draft-ietf-httpapi-ratelimit-
+// headers): q is the capacity and w the seconds an empty bucket takes to
+// fill, rounded up.
+func policyItem(name string, capacity int64, rate float64) string {
+	w := int64(math.Ceil(float64(capacity) / rate))
+	return `"` + name + `";q=` + strconv.FormatInt(capacity, 10) + ";w=" + strconv.FormatInt(max(w, 1), 10)
+}
+
+// resolveTier returns the request's tier: the one tier_from names, or the
+// default tier when it is empty or names none. An unknown name is never
+// trusted to create or choose anything else.
+func (h *Handler) resolveTier(repl *caddy.Replacer) *tier {
+	if h.TierFrom == "" {
+		return h.deflt
+	}
+	if t, ok := h.tiers[repl.ReplaceAll(h.TierFrom, "")]; ok {
+		return t
+	}
+	return h.deflt
+}
+
+// request is the buckets one request is decided on.
+type request struct {
+	keys   []string
+	takes  []bucket.Take
+	limits []*limit
+}
+
+// buildRequest resolves the identities and the cost of the tier's limits.
+// It fails only on an invalid cost.
+func (h *Handler) buildRequest(repl *caddy.Replacer, t *tier) (*request, error) {
+	n := len(t.limits)
+	req := &request{keys: make([]string, 0, n), takes: make([]bucket.Take, 0, n), limits: make([]*limit, 0, n)}
+	var idsBuf [8]string
+	ids := idsBuf[:0]
+	if len(h.Dimensions) > len(idsBuf) {
+		ids = make([]string, 0, len(h.Dimensions))
+	}
+	ids = ids[:len(h.Dimensions)]
+	var resolved uint64 // bit i: ids[i] is resolved ("" = skipped)
+	cost := h.cost
+	for i := range t.limits {
+		l := &t.limits[i]
+		if resolved&(1<<l.dim) == 0 {
+			ids[l.dim] = h.identity(repl, l.dim)
+			resolved |= 1 << l.dim
+		}
+		id := ids[l.dim]
+		if id == "" {
+			continue
+		}
+		c := int64(1)
+		if l.tokens {
+			if cost < 0 {
+				var err error
+				if cost, err = parseCost(repl.ReplaceAll(h.Cost, "")); err != nil {
+					return nil, err
+				}
+			}
+			c = cost
+		}
+		req.keys = append(req.keys, h.keyer.Key(l.dimension, id, l.unit))
+		req.takes = append(req.takes, bucket.Take{Spec: l.spec, Cost: c})
+		req.limits = append(req.limits, l)
+	}
+	return req, nil
+}
+
+// identity resolves dimension i's template; "" means the dimension is
+// skipped because a placeholder in it is empty or unknown. An identity that
+// is an IP address is masked to the configured prefix.
+func (h *Handler) identity(repl *caddy.Replacer, i int) string {
+	id, err := repl.ReplaceOrErr(h.Dimensions[i].Identity, true, true)
+	if err != nil || id == "" {
+		return ""
+	}
+	if ip, err := netip.ParseAddr(id); err == nil {
+		ip = ip.Unmap().WithZone("")
+		bits := h.IPv6Prefix
+		if ip.Is4() {
+			bits = h.IPv4Prefix
+		}
+		if p, err := ip.Prefix(bits); err == nil {
+			return p.String()
+		}
+	}
+	return id
+}
