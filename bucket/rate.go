@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"math/big"
+	"regexp"
 	"strings"
 	"time"
 )
@@ -88,6 +89,10 @@ func (r Rate) String() string {
 	return fmt.Sprintf("%d/%ds", r.num, r.den)
 }
 
+// decimalRE is a plain decimal number: no hex, fraction, NaN or Inf (a
+// minus sign is read, to be refused as not positive).
+var decimalRE = regexp.MustCompile(`^-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$`)
+
 func rateFromRat(q *big.Rat) (Rate, error) {
 	if q.Sign() <= 0 {
 		return Rate{}, errors.New("refill rate must be > 0")
@@ -106,7 +111,7 @@ func parseAmount(s string) (*big.Rat, error) {
 	// big.Rat accepts "a/b" too; the slash is already split off, so a
 	// leftover one is a syntax error. It rejects NaN and Inf.
 	amount, ok := new(big.Rat).SetString(s)
-	if !ok || strings.ContainsAny(s, "/") {
+	if !ok || !decimalRE.MatchString(s) {
 		return nil, fmt.Errorf("refill amount %q is not a number", s)
 	}
 	if amount.Sign() <= 0 {
@@ -130,7 +135,7 @@ func parsePeriod(s string) (*big.Rat, error) {
 	}
 	if days, ok := strings.CutSuffix(s, "d"); ok {
 		n, valid := new(big.Rat).SetString(days)
-		if !valid || n.Sign() <= 0 {
+		if !valid || !decimalRE.MatchString(days) || n.Sign() <= 0 {
 			return nil, fmt.Errorf("refill period %q is not a duration", s)
 		}
 		return n.Mul(n, big.NewRat(86400, 1)), nil

@@ -29,10 +29,7 @@ func (s Redis) Take(ctx context.Context, keys []string, takes []Take) (Decision,
 	if len(keys) != len(takes) {
 		return Decision{}, fmt.Errorf("%d keys for %d buckets", len(keys), len(takes))
 	}
-	args := make([]any, 0, 4*len(takes))
-	for _, t := range takes {
-		args = append(args, t.Spec.CapacityUnits(), t.Spec.Refill, t.Spec.Scale, t.costUnits())
-	}
+	args := appendArgs(make([]any, 0, 4*len(takes)), takes)
 	script := s.Script
 	if script == nil {
 		script = lua.TokenBucket
@@ -42,6 +39,15 @@ func (s Redis) Take(ctx context.Context, keys []string, takes []Take) (Decision,
 		return Decision{}, fmt.Errorf("running token bucket script: %w", err)
 	}
 	return ParseReply(vals, takes)
+}
+
+// appendArgs appends the script's ARGV for takes: capacity, refill, scale
+// and cost per bucket, in units.
+func appendArgs(args []any, takes []Take) []any {
+	for _, t := range takes {
+		args = append(args, t.Spec.CapacityUnits(), t.Spec.Refill, t.Spec.Scale, t.costUnits())
+	}
+	return args
 }
 
 // ParseReply turns the script's reply (3 integers per bucket: remaining,

@@ -1,0 +1,43 @@
+package bucket
+
+import (
+	"strings"
+	"testing"
+)
+
+// TestKeyFormula pins the documented formula: SHA-256, first 16 bytes,
+// unpadded base64url, as
+// printf %s alice | openssl dgst -sha256 -binary | head -c16 | basenc --base64url | tr -d =
+func TestKeyFormula(t *testing.T) {
+	k := NewKeyer("rl:", "")
+	if got, want := k.Key("user", "alice", ""), "rl:{user:K9gGyX8OAK8aH8Myj6djqQ}"; got != want {
+		t.Errorf("Key = %q, want %q", got, want)
+	}
+	if got, want := k.Key("user", "alice", "tokens"), "rl:{user:K9gGyX8OAK8aH8Myj6djqQ}:tokens"; got != want {
+		t.Errorf("Key = %q, want %q", got, want)
+	}
+	if got := NewKeyer("rl:", "s3cret").ID("alice"); got == k.ID("alice") || len(got) != IDLength {
+		t.Errorf("HMAC id %q: must differ from the plain hash and be %d long", got, IDLength)
+	}
+}
+
+// TestKeyHostileIdentities: braces, separators, NUL, CR/LF and 10 KB of
+// text give bounded keys with no brace from the input, all distinct.
+func TestKeyHostileIdentities(t *testing.T) {
+	k := NewKeyer("rl:", "")
+	ids := []string{"{a}", "}", "{", "a:b", "a}:{b", "\x00", "\r\n", "ключ", strings.Repeat("x", 10240), strings.Repeat("x", 10241), ""}
+	seen := map[string]string{}
+	for _, id := range ids {
+		key := k.Key("user", id, "")
+		if len(key) != len("rl:{user:}")+IDLength {
+			t.Errorf("key of %.20q has length %d", id, len(key))
+		}
+		if strings.Count(key, "{") != 1 || strings.Count(key, "}") != 1 {
+			t.Errorf("key %q carries a brace from the identity", key)
+		}
+		if prev, dup := seen[key]; dup {
+			t.Errorf("identities %.20q and %.20q share key %q", prev, id, key)
+		}
+		seen[key] = id
+	}
+}

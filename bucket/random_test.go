@@ -1,0 +1,170 @@
+package bucket
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/token-bucket/token_bucket/internal/redistest"
+)
+
+// randomSpec draws a limit of the kinds operators write: whole and decimal
+// amounts over periods from a second to a day.
+func randomSpec(t *testing.T, r *rand.Rand) Spec {
+	amounts := []string{"1", "3", "10", "25", "60", "1000", "0.5", "0.17", "2.5", "7"}
+	periods := []string{"s", "1s", "2s", "7s", "m", "1m", "90s", "h", "1h", "d", "500ms"}
+	text := amounts[r.IntN(len(amounts))] + "/" + periods[r.IntN(len(periods))]
+	rate, err := ParseRate(text)
+	if err != nil {
+		t.Fatalf("rate %q: %v", text, err)
+	}
+	capacity := []int64{1, 2, 5, 10, 60, 1500, 100000}[r.IntN(7)]
+	spec, err := Limit{Capacity: capacity, Rate: rate}.Spec()
+	if err != nil {
+		t.Fatalf("capacity %d, rate %q: %v", capacity, text, err)
+	}
+	return spec
+}
+
+// TestLuaMatchesModel drives the Lua script in a real Redis and the Go model
+// through the same random steps (several buckets, random costs including
+// peeks and costs above capacity, random clock steps including a clock that
+// moves backwards, and limits that change under existing state) and
+// requires the same decision and the same stored state at every step.
+func TestLuaMatchesModel(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	seed := uint64(20261129)
+	r := rand.New(rand.NewPCG(seed, seed))
+
+	const nBuckets, steps = 4, 4000
+	specs := make([]Spec, nBuckets)
+	keys := make([]string, nBuckets)
+	model := make(map[string]State)
+	for i := range specs {
+		specs[i] = randomSpec(t, r)
+		keys[i] = fmt.Sprintf("rnd:{x}:%d", i)
+	}
+	now := baseTime
+	allowed, denied := 0, 0
+	for step := 0; step < steps; step++ {
+		switch x := r.IntN(100); {
+		case x < 40: // same microsecond: bursts
+		case x < 90:
+			now += r.Int64N(2_000_000)
+		case x < 97:
+			now += r.Int64N(3_600_000_000)
+		default: // the Redis clock stepped back (a failover to a skewed replica)
+			now -= r.Int64N(5_000_000)
+		}
+		if r.IntN(200) == 0 { // an operator changed a limit
+			specs[r.IntN(nBuckets)] = randomSpec(t, r)
+		}
+		// A request uses one to all buckets, in a random order.
+		perm := r.Perm(nBuckets)[:1+r.IntN(nBuckets)]
+		var ks []string
+		var takes []Take
+		for _, i := range perm {
+			cost := r.Int64N(4)
+			if r.IntN(10) == 0 {
+				cost = r.Int64N(specs[i].Capacity + 2)
+			}
+			ks = append(ks, keys[i])
+			takes = append(takes, Take{Spec: specs[i], Cost: cost})
+		}
+
+		got, vals, pttls, err := stepAt(ctx, rdb, now, ks, takes)
+		if err != nil {
+			t.Fatalf("step %d: %v", step, err)
+		}
+		states := make([]State, len(ks))
+		for j, k := range ks {
+			st, ok := model[k]
+			if !ok {
+				st = takes[j].Spec.Full()
+			}
+			states[j] = st
+		}
+		charged := make([]bool, len(ks))
+		want := Decide(now, takes, states, charged)
+		for j, k := range ks {
+			if charged[j] {
+				model[k] = states[j]
+			}
+		}
+		if fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Fatalf("step %d at %d: takes %+v\nlua   %+v\nmodel %+v", step, now, takes, got, want)
+		}
+		if want.Allowed {
+			allowed++
+		} else {
+			denied++
+		}
+		for j, k := range ks {
+			if !charged[j] {
+				continue
+			}
+			st := model[k]
+			if pttls[j] > want.Buckets[j].FullMS || pttls[j] < want.Buckets[j].FullMS-ttlSlackMS {
+				t.Fatalf("step %d: %s PTTL %d ms, want %d", step, k, pttls[j], want.Buckets[j].FullMS)
+			}
+			if w := strconv.FormatInt(st.Units, 10) + " " + strconv.FormatInt(st.Scale, 10) + " " + strconv.FormatInt(st.Last, 10); vals[j] != w {
+				t.Fatalf("step %d: %s holds %q, model %q", step, k, vals[j], w)
+			}
+		}
+	}
+	// The draw must exercise both outcomes heavily, or the test proves little.
+	if allowed < steps/5 || denied < steps/5 {
+		t.Fatalf("%d allowed, %d denied: the random steps do not exercise both outcomes", allowed, denied)
+	}
+	t.Logf("%d steps: %d allowed, %d denied", steps, allowed, denied)
+}
+
+func TestParseRate(t *testing.T) {
+	for _, c := range []struct{ in, want string }{
+		{"10/1m", "1/6s"}, {"25/s", "25/s"}, {"600/1h", "1/6s"}, {"0.5/s", "1/2s"}, {"3", "3/s"},
+		{"0.17/s", "17/100s"}, {"10/m", "1/6s"}, {"1/d", "1/86400s"}, {"5/500ms", "10/s"},
+		{"1/1h30m", "1/5400s"}, {"2.5e3/h", "25/36s"}, {"7/2d", "7/172800s"}, {" 10 / 1m ", "1/6s"},
+	} {
+		r, err := ParseRate(c.in)
+		if err != nil || r.String() != c.want {
+			t.Errorf("ParseRate(%q) = %v, %v; want %s", c.in, r, err, c.want)
+		}
+	}
+	for _, in := range []string{"", "0", "-1", "0/s", "10/", "/s", "10/0s", "10/-1s", "NaN", "Inf", "inf/s", "1/NaN",
+		"10/xyz", "abc", "1/2/3", "10/1q", "0x10", "1e400/s"} {
+		if r, err := ParseRate(in); err == nil {
+			t.Errorf("ParseRate(%q) = %v, want an error", in, r)
+		}
+	}
+}
+
+func TestRateFromFloatRoundTrips(t *testing.T) {
+	for _, in := range []string{"10/1m", "0.17/s", "3/h", "1000/60s", "10/7s", "1/d", "25/s", "1/3s", "123456/1h"} {
+		r, err := ParseRate(in)
+		if err != nil {
+			t.Fatal(err)
+		}
+		back, err := RateFromFloat(r.Float64())
+		if err != nil || back != r {
+			t.Errorf("%s: RateFromFloat(%v) = %v, %v; want %v", in, r.Float64(), back, err, r)
+		}
+	}
+}
+
+// TestSpecRejectsInexact: a capacity so large, at a rate so fine, that the
+// units would pass 2^53 is a config error, not a silent rounding.
+func TestSpecRejectsInexact(t *testing.T) {
+	rate, _ := ParseRate("0.17/d")
+	_, err := Limit{Capacity: 1_000_000_000, Rate: rate}.Spec()
+	if err == nil || !strings.Contains(err.Error(), "2^53") {
+		t.Fatalf("err = %v, want the 2^53 bound", err)
+	}
+	if _, err := (Limit{Capacity: 0, Rate: rate}).Spec(); err == nil {
+		t.Fatal("capacity 0 accepted")
+	}
+}
