@@ -168,3 +168,52 @@ func TestSpecRejectsInexact(t *testing.T) {
 		t.Fatal("capacity 0 accepted")
 	}
 }
+
+// TestLimitChangedUnderState: when an operator lowers a capacity, or changes
+// a rate (and so the scale) under existing state, the script and the model
+// read the old state the same way: clamped to the new capacity, whole
+// tokens kept, never a token granted that was not there.
+func TestLimitChangedUnderState(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	spec := func(capacity int64, rate string) Spec {
+		r, _ := ParseRate(rate)
+		s, err := Limit{Capacity: capacity, Rate: r}.Spec()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	steps := []struct {
+		spec      Spec
+		cost      int64
+		remaining int64
+	}{
+		{spec(100, "1/h"), 1, 99},  // 99 left
+		{spec(10, "1/h"), 1, 9},    // capacity lowered: 10 held, 9 left
+		{spec(10, "0.17/s"), 2, 7}, // new scale: 9 whole tokens, 7 left
+		{spec(10, "0.17/s"), 0, 7}, // peek
+		{spec(1000, "1/h"), 7, 0},  // capacity raised: no tokens appear
+		{spec(1000, "1/h"), 1, 0},  // denied
+	}
+	model := State{}
+	for i, s := range steps {
+		if i == 0 {
+			model = s.spec.Full()
+		}
+		takes := []Take{{Spec: s.spec, Cost: s.cost}}
+		got, _, _, err := stepAt(ctx, rdb, baseTime, []string{"chg:{x}"}, takes)
+		if err != nil {
+			t.Fatal(err)
+		}
+		states, charged := []State{model}, []bool{false}
+		want := Decide(baseTime, takes, states, charged)
+		if charged[0] {
+			model = states[0]
+		}
+		if fmt.Sprint(got) != fmt.Sprint(want) || got.Buckets[0].Remaining != s.remaining {
+			t.Fatalf("step %d: lua %+v, model %+v, want remaining %d", i, got, want, s.remaining)
+		}
+	}
+}
