@@ -30,13 +30,20 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	token_bucket [<matcher>] {
 //		redis <redis://[user:pass@]host:port[/db] | rediss://...>
 //		redis [<url>] {
-//			address   <host:port>
+//			address   <host:port> [<host:port>...]
+//			cluster                         # the addresses are Cluster seeds
+//			sentinel  <master_name>         # the addresses are Sentinels
+//			sentinel_password <secret>
 //			username  <name>
 //			password  <secret>
 //			db        <n>
 //			tls
+//			tls_ca    <pem_file>
+//			tls_server_name <name>
 //			timeout   <duration>
 //			pool_size <n>
+//			breaker_failures <n>
+//			breaker_cooldown <duration>
 //		}
 //		key_prefix <string>
 //		key_secret <secret>
@@ -54,6 +61,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		cost           <integer | placeholder>
 //		on_redis_error local|allow|deny
 //		local_buckets  <n>
+//		local_share    <fraction>
 //		on_deny        respond|error
 //	}
 //
@@ -85,6 +93,15 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 		case "ipv4_prefix", "ipv6_prefix", "local_buckets":
 			err = h.unmarshalInt(d, dir)
+		case "local_share":
+			var v string
+			if v, err = oneArg(d); err == nil {
+				share, perr := strconv.ParseFloat(v, 64)
+				if perr != nil || !(share > 0 && share <= 1) {
+					return d.Errf("invalid local_share %q: must be a fraction > 0 and ≤ 1", v)
+				}
+				h.LocalShare = share
+			}
 		case "dimension":
 			args := d.RemainingArgs()
 			if len(args) != 2 {
@@ -168,45 +185,53 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 			if len(h.Redis.Address) == 0 {
 				return d.ArgErr()
 			}
-		case "username", "password":
+		case "username", "password", "sentinel", "sentinel_password", "tls_ca", "tls_server_name":
 			v, err := oneArg(d)
 			if err != nil {
 				return err
 			}
-			if opt == "username" {
-				h.Redis.Username = v
-			} else {
-				h.Redis.Password = v
+			*h.Redis.stringField(opt) = v
+		case "cluster":
+			if d.NextArg() {
+				return d.ArgErr()
 			}
-		case "db", "pool_size":
+			h.Redis.Cluster = true
+		case "db", "pool_size", "breaker_failures":
 			v, err := oneArg(d)
 			if err != nil {
 				return err
 			}
 			n, err := strconv.Atoi(v)
-			if err != nil || n < 0 {
+			if err != nil || n < 0 || (n == 0 && opt != "db") {
 				return d.Errf("invalid redis %s %q: must be a whole number", opt, v)
 			}
-			if opt == "db" {
+			switch opt {
+			case "db":
 				h.Redis.DB = n
-			} else {
+			case "pool_size":
 				h.Redis.PoolSize = n
+			default:
+				h.Redis.BreakerFailures = n
 			}
 		case "tls":
 			if d.NextArg() {
 				return d.ArgErr()
 			}
 			h.Redis.TLS = true
-		case "timeout":
+		case "timeout", "breaker_cooldown":
 			v, err := oneArg(d)
 			if err != nil {
 				return err
 			}
 			dur, err := caddy.ParseDuration(v)
 			if err != nil || dur <= 0 {
-				return d.Errf("invalid redis timeout %q: must be a duration > 0", v)
+				return d.Errf("invalid redis %s %q: must be a duration > 0", opt, v)
 			}
-			h.Redis.Timeout = caddy.Duration(dur)
+			if opt == "timeout" {
+				h.Redis.Timeout = caddy.Duration(dur)
+			} else {
+				h.Redis.BreakerCooldown = caddy.Duration(dur)
+			}
 		default:
 			return d.Errf("unknown redis option %q", opt)
 		}
@@ -261,6 +286,23 @@ func unmarshalLimit(d *caddyfile.Dispenser) (Limit, error) {
 		}
 	}
 	return l, nil
+}
+
+func (c *RedisConfig) stringField(name string) *string {
+	switch name {
+	case "username":
+		return &c.Username
+	case "password":
+		return &c.Password
+	case "sentinel":
+		return &c.Sentinel
+	case "sentinel_password":
+		return &c.SentinelPassword
+	case "tls_ca":
+		return &c.TLSCA
+	default:
+		return &c.TLSServerName
+	}
 }
 
 func oneArg(d *caddyfile.Dispenser) (string, error) {

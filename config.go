@@ -136,6 +136,9 @@ func (h *Handler) validate() error {
 	default:
 		return fmt.Errorf("on_deny %q: must be respond or error", h.OnDeny)
 	}
+	if math.IsNaN(h.LocalShare) || h.LocalShare < 0 || h.LocalShare > 1 {
+		return fmt.Errorf("local_share %v: must be a fraction > 0 and ≤ 1", h.LocalShare)
+	}
 	if h.LocalBuckets < 0 {
 		return fmt.Errorf("local_buckets %d: must be > 0", h.LocalBuckets)
 	}

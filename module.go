@@ -102,6 +102,13 @@ type Handler struct {
 	// is forgotten first.
 	LocalBuckets int `json:"local_buckets,omitempty"`
 
+	// LocalShare scales every limit for on_redis_error local: with N
+	// gateways, set it to 1/N so that together they admit about what the
+	// shared Redis would (default 1: each gateway enforces the full limits
+	// alone). Capacity becomes ⌊capacity·share⌋ (at least 1) and the refill
+	// rate refill·share. 0 < local_share ≤ 1.
+	LocalShare float64 `json:"local_share,omitempty"`
+
 	// OnDeny says how a denial is answered: "respond" (the default) writes
 	// the 429 with its JSON body; "error" returns a Caddy error with status
 	// 429 (or 400 for an invalid cost) so that handle_errors renders it. The
@@ -113,8 +120,7 @@ type Handler struct {
 	tiers   map[string]*tier
 	deflt   *tier
 	cost    int64 // -1: evaluate the Cost template per request
-	timeout time.Duration
-	store   store
+	conn    *conn
 	local   *bucket.Local
 	poolKey string
 	now     func() time.Time
@@ -150,7 +156,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := h.validate(); err != nil {
 		return err
 	}
-	h.tiers, h.deflt = compileTiers(h.Dimensions, h.Tiers, h.DefaultTier)
+	h.tiers, h.deflt = compileTiers(h.Dimensions, h.Tiers, h.DefaultTier, h.LocalShare)
 	h.cost, _ = staticCost(h.Cost)
 	h.keyer = bucket.NewKeyer(h.KeyPrefix, caddy.NewReplacer().ReplaceKnown(h.KeySecret, ""))
 	if h.now == nil {
@@ -159,20 +165,18 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if h.OnRedisError == "" || h.OnRedisError == PolicyLocal {
 		h.local = bucket.NewLocal(h.LocalBuckets, h.now)
 	}
-	opt, err := h.Redis.options()
+	r, err := h.Redis.resolve()
 	if err != nil {
 		return err
 	}
-	h.timeout = opt.ReadTimeout
-	client, key, err := acquire(opt)
+	c, key, err := acquire(r, h.logger)
 	if err != nil {
 		return fmt.Errorf("connecting to redis: %w", err)
 	}
-	h.poolKey = key
-	h.store = bucket.Redis{Client: client}
-	if err := ping(ctx, client, h.timeout); err != nil {
+	h.conn, h.poolKey = c, key
+	if err := c.ping(ctx); err != nil {
 		h.logger.Warn("redis is not answering yet; on_redis_error applies until it does",
-			zap.String("addr", opt.Addr), zap.Error(err))
+			zap.Strings("address", r.opt.Addrs), zap.Error(err))
 	}
 	return nil
 }
@@ -185,7 +189,7 @@ func (h *Handler) Cleanup() error {
 	if h.poolKey == "" {
 		return nil
 	}
-	_, err := clients.Delete(h.poolKey)
+	_, err := conns.Delete(h.poolKey)
 	return err
 }
 
@@ -204,9 +208,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return next.ServeHTTP(w, r)
 	}
 
-	ctx, cancel := context.WithTimeout(r.Context(), h.timeout)
-	d, err := h.store.Take(ctx, req.keys, req.takes)
-	cancel()
+	d, err := h.conn.take(r.Context(), req.keys, req.takes)
 	if err != nil {
 		return h.degraded(w, r, next, repl, t, req, err)
 	}
@@ -233,7 +235,7 @@ func (h *Handler) degraded(w http.ResponseWriter, r *http.Request, next caddyhtt
 		repl.Set("http.token_bucket.decision", "unavailable")
 		return h.unavailable(w)
 	}
-	d, err := h.local.Take(r.Context(), req.keys, req.takes)
+	d, err := h.local.Take(r.Context(), req.keys, req.localTakes())
 	if err != nil {
 		return caddyhttp.Error(http.StatusServiceUnavailable, err)
 	}

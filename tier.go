@@ -23,13 +23,14 @@ type limit struct {
 	unit      string // key suffix: "" for requests, "tokens" for tokens
 	tokens    bool   // costs the request's cost rather than 1
 	spec      bucket.Spec
-	name      string // header item name: the dimension, "-tokens" appended for tokens
-	policy    string // the RateLimit-Policy item, e.g. "user";q=10;w=60
+	local     bucket.Spec // spec scaled by local_share, for on_redis_error local
+	name      string      // header item name: the dimension, "-tokens" appended for tokens
+	policy    string      // the RateLimit-Policy item, e.g. "user";q=10;w=60
 }
 
 // compileTiers turns validated tiers into their request-path form and
 // returns them by name with the default tier.
-func compileTiers(dims []Dimension, tiers []Tier, defaultTier string) (map[string]*tier, *tier) {
+func compileTiers(dims []Dimension, tiers []Tier, defaultTier string, share float64) (map[string]*tier, *tier) {
 	index := make(map[string]int, len(dims))
 	for i, d := range dims {
 		index[d.Name] = i
@@ -44,6 +45,7 @@ func compileTiers(dims []Dimension, tiers []Tier, defaultTier string) (map[strin
 				cl.unit, cl.tokens, cl.name = UnitTokens, true, l.Dimension+"-tokens"
 			}
 			cl.policy = policyItem(cl.name, l.Capacity, l.RefillRate)
+			cl.local = localSpec(l, spec, share)
 			ct.limits = append(ct.limits, cl)
 		}
 		byName[t.Name] = ct
@@ -53,6 +55,24 @@ func compileTiers(dims []Dimension, tiers []Tier, defaultTier string) (map[strin
 		deflt = byName[defaultTier]
 	}
 	return byName, deflt
+}
+
+// localSpec scales a limit by share (0 < share ≤ 1) for the in-process
+// store, so that N gateways deciding alone while Redis is away admit about
+// what one Redis would: capacity ⌊C·share⌋ (at least 1), refill r·share.
+func localSpec(l Limit, spec bucket.Spec, share float64) bucket.Spec {
+	if share <= 0 || share >= 1 {
+		return spec
+	}
+	rate, err := bucket.RateFromFloat(l.RefillRate * share)
+	if err != nil {
+		return spec
+	}
+	s, err := bucket.Limit{Capacity: max(1, int64(float64(l.Capacity)*share)), Rate: rate}.Spec()
+	if err != nil {
+		return spec
+	}
+	return s
 }
 
 // policyItem formats a RateLimit-Policy item (draft-ietf-httpapi-ratelimit-
@@ -81,6 +101,15 @@ type request struct {
 	keys   []string
 	takes  []bucket.Take
 	limits []*limit
+}
+
+// localTakes returns the request's takes with the local_share specs.
+func (r *request) localTakes() []bucket.Take {
+	takes := make([]bucket.Take, len(r.takes))
+	for i, t := range r.takes {
+		takes[i] = bucket.Take{Spec: r.limits[i].local, Cost: t.Cost}
+	}
+	return takes
 }
 
 // buildRequest resolves the identities and the cost of the tier's limits.

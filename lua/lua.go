@@ -19,6 +19,15 @@ var Source string
 // failover or SCRIPT FLUSH), which loads it again.
 var TokenBucket = redis.NewScript(Source)
 
+// RefundSource is the text of refund.lua.
+//
+//go:embed refund.lua
+var RefundSource string
+
+// Refund gives back what TokenBucket charged, for a request denied by a
+// bucket on another Redis Cluster slot.
+var Refund = redis.NewScript(RefundSource)
+
 // ClockLine is the one line of Source that reads the Redis clock. Tests that
 // drive time replace it; nothing else may.
 const ClockLine = "local clock = redis.call('TIME')"

@@ -1,0 +1,161 @@
+package bucket
+
+import (
+	"context"
+	"fmt"
+	"strings"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/token-bucket/token_bucket/lua"
+)
+
+// ShardedClient is what Sharded needs of a Redis Cluster client.
+type ShardedClient interface {
+	redis.Scripter
+	Pipeline() redis.Pipeliner
+}
+
+// Sharded is a store for Redis Cluster, where a request's buckets may live
+// on several slots. Keys are grouped by their hash tag ({<dimension>:<id>},
+// one slot each); each group is decided by the script, all groups in one
+// pipeline that go-redis sends to their nodes in parallel. When every group
+// allows, the request is allowed. When any group denies, the groups that
+// allowed (and so were charged) are refunded by lua.Refund, so the net
+// charge of a denied request is zero.
+//
+// Between a group's charge and its refund (one more round trip, about a
+// millisecond), another request on the same bucket sees it charged and can
+// be denied though it would not have been: a false denial bounded by that
+// window, never an extra admission.
+type Sharded struct {
+	Client ShardedClient
+}
+
+// Take decides a request like Redis.Take across slots.
+func (s Sharded) Take(ctx context.Context, keys []string, takes []Take) (Decision, error) {
+	if len(keys) != len(takes) {
+		return Decision{}, fmt.Errorf("%d keys for %d buckets", len(keys), len(takes))
+	}
+	groups := groupByTag(keys)
+	if len(groups) == 1 {
+		return Redis{Client: s.Client}.Take(ctx, keys, takes)
+	}
+	gkeys := make([][]string, len(groups))
+	gtakes := make([][]Take, len(groups))
+	for g, idx := range groups {
+		for _, i := range idx {
+			gkeys[g] = append(gkeys[g], keys[i])
+			gtakes[g] = append(gtakes[g], takes[i])
+		}
+	}
+	replies, err := s.runAll(ctx, lua.TokenBucket, gkeys, gtakes)
+	if err != nil {
+		return Decision{}, err
+	}
+	d := Decision{Buckets: make([]Result, len(takes))}
+	parts := make([]Decision, len(groups))
+	for g, idx := range groups {
+		if parts[g], err = ParseReply(replies[g], gtakes[g]); err != nil {
+			return Decision{}, err
+		}
+		for j, i := range idx {
+			d.Buckets[i] = parts[g].Buckets[j]
+		}
+	}
+	d.summarize()
+	if d.Allowed {
+		return d, nil
+	}
+	return d, s.refund(ctx, groups, parts, gkeys, gtakes, &d)
+}
+
+// refund gives back the charges of the groups that allowed a request that
+// another group denied, and reports their buckets as uncharged.
+func (s Sharded) refund(ctx context.Context, groups [][]int, parts []Decision,
+	gkeys [][]string, gtakes [][]Take, d *Decision) error {
+	var rkeys [][]string
+	var rtakes [][]Take
+	for g, idx := range groups {
+		if !parts[g].Allowed {
+			continue
+		}
+		for j, i := range idx {
+			d.Buckets[i].Remaining += gtakes[g][j].Cost
+		}
+		rkeys, rtakes = append(rkeys, gkeys[g]), append(rtakes, gtakes[g])
+	}
+	if len(rkeys) == 0 {
+		return nil
+	}
+	if _, err := s.runAll(ctx, lua.Refund, rkeys, rtakes); err != nil {
+		return fmt.Errorf("refunding a request denied on another slot: %w", err)
+	}
+	return nil
+}
+
+// runAll runs script once per group in one pipeline and returns the integer
+// replies. Groups that failed with NOSCRIPT (a node restarted or failed
+// over) did not run; they are run again with EVAL.
+func (s Sharded) runAll(ctx context.Context, script *redis.Script, gkeys [][]string, gtakes [][]Take) ([][]int64, error) {
+	pipe := s.Client.Pipeline()
+	cmds := make([]*redis.Cmd, len(gkeys))
+	for g := range gkeys {
+		cmds[g] = script.EvalSha(ctx, pipe, gkeys[g], appendArgs(nil, gtakes[g])...)
+	}
+	_, _ = pipe.Exec(ctx) // each command's own error is read below
+	out := make([][]int64, len(gkeys))
+	for g, cmd := range cmds {
+		if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
+			cmd = script.Run(ctx, s.Client, gkeys[g], appendArgs(nil, gtakes[g])...)
+		}
+		if err := cmd.Err(); err != nil {
+			return nil, fmt.Errorf("running %s on a slot group: %w", scriptName(script), err)
+		}
+		if script == lua.Refund {
+			continue
+		}
+		vals, err := cmd.Int64Slice()
+		if err != nil {
+			return nil, err
+		}
+		out[g] = vals
+	}
+	return out, nil
+}
+
+func scriptName(s *redis.Script) string {
+	if s == lua.Refund {
+		return "refund script"
+	}
+	return "token bucket script"
+}
+
+// groupByTag groups key indexes by hash tag, in order of first appearance.
+func groupByTag(keys []string) [][]int {
+	var tags []string
+	var groups [][]int
+	for i, k := range keys {
+		tag := hashTag(k)
+		g := 0
+		for g < len(tags) && tags[g] != tag {
+			g++
+		}
+		if g == len(tags) {
+			tags, groups = append(tags, tag), append(groups, nil)
+		}
+		groups[g] = append(groups[g], i)
+	}
+	return groups
+}
+
+// hashTag returns the part of key that Redis Cluster hashes: the text
+// between the first '{' and the next '}', or the whole key.
+func hashTag(key string) string {
+	if i := strings.IndexByte(key, '{'); i >= 0 {
+		if j := strings.IndexByte(key[i+1:], '}'); j > 0 {
+			return key[i+1 : i+1+j]
+		}
+	}
+	return key
+}
