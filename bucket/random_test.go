@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
-	"strconv"
 	"strings"
 	"testing"
 
@@ -112,8 +111,8 @@ func TestLuaMatchesModel(t *testing.T) {
 			if pttls[j] > want.Buckets[j].FullMS || pttls[j] < want.Buckets[j].FullMS-ttlSlackMS {
 				t.Fatalf("step %d: %s PTTL %d ms, want %d", step, k, pttls[j], want.Buckets[j].FullMS)
 			}
-			if w := strconv.FormatInt(st.Units, 10) + " " + strconv.FormatInt(st.Scale, 10) + " " + strconv.FormatInt(st.Last, 10); vals[j] != w {
-				t.Fatalf("step %d: %s holds %q, model %q", step, k, vals[j], w)
+			if got, err := DecodeState(vals[j]); err != nil || got != st {
+				t.Fatalf("step %d: %s holds %+v (%v), model %+v", step, k, got, err, st)
 			}
 		}
 	}

@@ -2,8 +2,10 @@ package bucket
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 
 	"github.com/redis/go-redis/v9"
@@ -29,7 +31,7 @@ func (s Redis) Take(ctx context.Context, keys []string, takes []Take) (Decision,
 	if len(keys) != len(takes) {
 		return Decision{}, fmt.Errorf("%d keys for %d buckets", len(keys), len(takes))
 	}
-	args := appendArgs(make([]any, 0, 4*len(takes)), takes)
+	args := appendArgs(make([]any, 0, len(takes)), takes)
 	script := s.Script
 	if script == nil {
 		script = lua.TokenBucket
@@ -41,13 +43,42 @@ func (s Redis) Take(ctx context.Context, keys []string, takes []Take) (Decision,
 	return ParseReply(vals, takes)
 }
 
-// appendArgs appends the script's ARGV for takes: capacity, refill, scale
-// and cost per bucket, in units.
+// appendArgs appends the script's ARGV for takes: per bucket, capacity,
+// refill, scale and cost in units, as four little-endian doubles (see
+// lua/token_bucket.lua).
 func appendArgs(args []any, takes []Take) []any {
+	const size = 32
+	buf := make([]byte, 0, size*len(takes))
 	for _, t := range takes {
-		args = append(args, t.Spec.CapacityUnits(), t.Spec.Refill, t.Spec.Scale, t.costUnits())
+		buf = appendFloats(buf, t.Spec.CapacityUnits(), t.Spec.Refill, t.Spec.Scale, t.costUnits())
+	}
+	all := string(buf) // one allocation; each ARGV is a slice of it
+	for i := range takes {
+		args = append(args, all[i*size:(i+1)*size])
 	}
 	return args
+}
+
+func appendFloats(b []byte, vals ...int64) []byte {
+	for _, v := range vals {
+		b = binary.LittleEndian.AppendUint64(b, math.Float64bits(float64(v)))
+	}
+	return b
+}
+
+// EncodeState returns a bucket's stored value: struct.pack('<ddd', units,
+// scale, last_us) as the script writes it.
+func EncodeState(s State) string { return string(appendFloats(nil, s.Units, s.Scale, s.Last)) }
+
+// DecodeState reads a bucket's stored value.
+func DecodeState(v string) (State, error) {
+	if len(v) != 24 {
+		return State{}, fmt.Errorf("bucket state is %d bytes, want 24", len(v))
+	}
+	f := func(i int) int64 {
+		return int64(math.Float64frombits(binary.LittleEndian.Uint64([]byte(v[8*i : 8*i+8]))))
+	}
+	return State{Units: f(0), Scale: f(1), Last: f(2)}, nil
 }
 
 // ParseReply turns the script's reply (3 integers per bucket: remaining,

@@ -7,9 +7,8 @@ equals what it would hold at t2 had it never been charged: the refill up to
 C is the same either way. So the net charge of a denied request is zero.
 
 KEYS[i]  the key of bucket i, as in token_bucket.lua.
-ARGV     4 integers per bucket, in KEYS order, as in token_bucket.lua:
-         capacity, refill and scale in units, and the cost in units to give
-         back.
+ARGV[i]  bucket i's parameters as in token_bucket.lua, the cost being the
+         units to give back.
 Reply    the number of buckets refunded. A key that is gone is a full
          bucket and needs nothing; a bucket refilled to full is deleted.
 ]]
@@ -25,15 +24,11 @@ end
 
 local refunded = 0
 for i = 1, #KEYS do
-  local a = 4 * i
-  local cap, refill, scale, cost = tonumber(ARGV[a - 3]), tonumber(ARGV[a - 2]), tonumber(ARGV[a - 1]), tonumber(ARGV[a])
+  local cap, refill, scale, cost = struct.unpack('<dddd', ARGV[i])
   local v = redis.call('GET', KEYS[i])
-  if v and cost > 0 then
-    local s1 = string.find(v, ' ', 1, true)
-    local s2 = s1 and string.find(v, ' ', s1 + 1, true)
-    if s2 and tonumber(string.sub(v, s1 + 1, s2 - 1)) == scale then
-      local u = tonumber(string.sub(v, 1, s1 - 1))
-      local last = tonumber(string.sub(v, s2 + 1))
+  if v and #v == 24 and cost > 0 then
+    local u, oldscale, last = struct.unpack('<ddd', v)
+    if oldscale == scale then
       if now > last then
         if (now - last) * refill >= cap - u then u = cap else u = u + (now - last) * refill end
         last = now
@@ -44,7 +39,7 @@ for i = 1, #KEYS do
       else
         local full = ceildiv(cap - u, refill * 1000)
         if last > now then full = full + ceildiv(last - now, 1000) end
-        redis.call('SET', KEYS[i], string.format('%d %d %d', u, scale, last), 'PX', full)
+        redis.call('SET', KEYS[i], struct.pack('<ddd', u, scale, last), 'PX', full)
       end
       refunded = refunded + 1
     end
