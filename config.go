@@ -139,6 +139,9 @@ func (h *Handler) validate() error {
 	if math.IsNaN(h.LocalShare) || h.LocalShare < 0 || h.LocalShare > 1 {
 		return fmt.Errorf("local_share %v: must be a fraction > 0 and ≤ 1", h.LocalShare)
 	}
+	if h.DenyCache < -1 {
+		return fmt.Errorf("deny_cache %d: must be a number of buckets, or -1 for off", h.DenyCache)
+	}
 	if h.LocalBuckets < 0 {
 		return fmt.Errorf("local_buckets %d: must be > 0", h.LocalBuckets)
 	}

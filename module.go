@@ -109,6 +109,16 @@ type Handler struct {
 	// rate refill·share. 0 < local_share ≤ 1.
 	LocalShare float64 `json:"local_share,omitempty"`
 
+	// DenyCache bounds the in-process cache of denials (default 100000
+	// buckets; -1 turns it off). After Redis denies a bucket a cost, further
+	// requests for that bucket and cost are denied in-process, with the
+	// shrinking Retry-After, until the wait Redis gave has passed: a client
+	// retrying in a tight loop costs Redis one call per Retry-After window.
+	// It never allows a request and never denies one Redis would allow,
+	// except that tokens given back by a refund are seen only when the
+	// cached denial lapses. See bucket.DenyCache.
+	DenyCache int `json:"deny_cache,omitempty"`
+
 	// OnDeny says how a denial is answered: "respond" (the default) writes
 	// the 429 with its JSON body; "error" returns a Caddy error with status
 	// 429 (or 400 for an invalid cost) so that handle_errors renders it. The
@@ -122,6 +132,7 @@ type Handler struct {
 	cost    int64 // -1: evaluate the Cost template per request
 	conn    *conn
 	local   *bucket.Local
+	denials *bucket.DenyCache
 	poolKey string
 	now     func() time.Time
 }
@@ -161,6 +172,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.keyer = bucket.NewKeyer(h.KeyPrefix, caddy.NewReplacer().ReplaceKnown(h.KeySecret, ""))
 	if h.now == nil {
 		h.now = time.Now
+	}
+	if h.DenyCache >= 0 {
+		h.denials = bucket.NewDenyCache(h.DenyCache, h.now)
 	}
 	if h.OnRedisError == "" || h.OnRedisError == PolicyLocal {
 		h.local = bucket.NewLocal(h.LocalBuckets, h.now)
@@ -208,9 +222,24 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return next.ServeHTTP(w, r)
 	}
 
+	if h.denials != nil {
+		if sub, d, ok := h.cachedDenial(req); ok {
+			h.writeHeaders(w.Header(), sub.limits, &d)
+			setPlaceholders(repl, sub.limits, &d)
+			return h.deny(w, t, sub, &d)
+		}
+	}
+	start := h.now()
 	d, err := h.conn.take(r.Context(), req.keys, req.takes)
 	if err != nil {
 		return h.degraded(w, r, next, repl, t, req, err)
+	}
+	if h.denials != nil && d.Reason == bucket.RateLimited {
+		for i, b := range d.Buckets {
+			if b.Reason == bucket.RateLimited {
+				h.denials.Remember(req.keys[i], req.takes[i].Cost, start, b.RetryAfterMS, b.Remaining)
+			}
+		}
 	}
 	h.writeHeaders(w.Header(), req.limits, &d)
 	setPlaceholders(repl, req.limits, &d)

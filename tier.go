@@ -112,6 +112,29 @@ func (r *request) localTakes() []bucket.Take {
 	return takes
 }
 
+// cachedDenial answers from the deny cache: when any of the request's
+// buckets is known to deny its cost, it returns those buckets as a request
+// of their own with their decision.
+func (h *Handler) cachedDenial(req *request) (*request, bucket.Decision, bool) {
+	var sub *request
+	var results []bucket.Result
+	for i, k := range req.keys {
+		wait, remaining, ok := h.denials.Check(k, req.takes[i].Cost)
+		if !ok {
+			continue
+		}
+		if sub == nil {
+			sub = &request{}
+		}
+		sub.keys, sub.takes, sub.limits = append(sub.keys, k), append(sub.takes, req.takes[i]), append(sub.limits, req.limits[i])
+		results = append(results, bucket.Result{Remaining: remaining, Reason: bucket.RateLimited, RetryAfterMS: wait})
+	}
+	if sub == nil {
+		return nil, bucket.Decision{}, false
+	}
+	return sub, bucket.Summarize(results), true
+}
+
 // buildRequest resolves the identities and the cost of the tier's limits.
 // It fails only on an invalid cost.
 func (h *Handler) buildRequest(repl *caddy.Replacer, t *tier) (*request, error) {

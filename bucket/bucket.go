@@ -187,6 +187,13 @@ func Decide(now int64, takes []Take, states []State, charged []bool) Decision {
 	return d
 }
 
+// Summarize returns the decision of a request whose buckets gave results.
+func Summarize(results []Result) Decision {
+	d := Decision{Buckets: results}
+	d.summarize()
+	return d
+}
+
 // summarize sets the request's Reason, RetryAfterMS, Deciding and Allowed
 // from its buckets' results: any CostExceedsCapacity wins (no wait helps),
 // else the RateLimited bucket with the longest wait.

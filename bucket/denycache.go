@@ -1,0 +1,117 @@
+package bucket
+
+import (
+	"hash/maphash"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/golang-lru/v2/simplelru"
+)
+
+// DefaultDenyCacheSize is the default bound of a DenyCache, in buckets.
+const DefaultDenyCacheSize = 100_000
+
+// DenyCache remembers, per bucket key, a cost that Redis denied and until
+// when that bucket cannot serve it, so that a client retrying in a tight
+// loop is answered in-process, with a shrinking Retry-After, and costs Redis
+// one call per bucket per Retry-After window instead of one per request.
+//
+// It never allows: a miss goes to Redis. It never denies what Redis would
+// allow, because a bucket's tokens only grow with time except by charges,
+// and a charge only lowers them further. The one exception is a refund
+// (settlement of LLM usage below its estimate, or a Cluster refund): tokens
+// given back while a denial is cached are seen only when it lapses, at most
+// the Retry-After that Redis gave.
+//
+// The deadline is measured from before the Redis call and shortened by one
+// millisecond (Redis rounds waits up to whole milliseconds), so it never
+// outlasts the real one. Times are on the gateway's monotonic clock; they
+// never enter a Redis decision. It is safe for concurrent use.
+type DenyCache struct {
+	seed   maphash.Seed
+	shards [16]denyShard
+	now    func() time.Time
+}
+
+type denyShard struct {
+	mu  sync.Mutex
+	lru *simplelru.LRU[string, denial]
+}
+
+type denial struct {
+	cost      int64
+	until     time.Time
+	remaining int64
+}
+
+// NewDenyCache returns a cache of at most size buckets
+// (DefaultDenyCacheSize when size ≤ 0), reading the time from now
+// (time.Now when nil).
+func NewDenyCache(size int, now func() time.Time) *DenyCache {
+	if size <= 0 {
+		size = DefaultDenyCacheSize
+	}
+	if now == nil {
+		now = time.Now
+	}
+	c := &DenyCache{seed: maphash.MakeSeed(), now: now}
+	per := max(1, size/len(c.shards))
+	for i := range c.shards {
+		c.shards[i].lru, _ = simplelru.NewLRU[string, denial](per, nil) // errors only for size ≤ 0
+	}
+	return c
+}
+
+func (c *DenyCache) shard(key string) *denyShard {
+	return &c.shards[maphash.String(c.seed, key)%uint64(len(c.shards))]
+}
+
+// Check reports whether key is known to deny cost now, with the wait in
+// milliseconds (rounded up, ≥ 1) and the whole tokens it held when Redis
+// denied.
+func (c *DenyCache) Check(key string, cost int64) (waitMS, remaining int64, ok bool) {
+	s := c.shard(key)
+	s.mu.Lock()
+	d, found := s.lru.Get(key)
+	s.mu.Unlock()
+	if !found || d.cost != cost {
+		return 0, 0, false
+	}
+	left := d.until.Sub(c.now())
+	if left <= 0 {
+		return 0, 0, false
+	}
+	return int64((left + time.Millisecond - 1) / time.Millisecond), d.remaining, true
+}
+
+// Remember records that Redis, called at start, denied cost on key with a
+// wait of waitMS milliseconds while the bucket held remaining whole tokens.
+func (c *DenyCache) Remember(key string, cost int64, start time.Time, waitMS, remaining int64) {
+	if waitMS <= 1 {
+		return // lapses before it could serve anyone
+	}
+	d := denial{cost: cost, until: start.Add(time.Duration(waitMS-1) * time.Millisecond), remaining: remaining}
+	s := c.shard(key)
+	s.mu.Lock()
+	s.lru.Add(key, d)
+	s.mu.Unlock()
+}
+
+// Forget drops what is known of key, e.g. after tokens were given back.
+func (c *DenyCache) Forget(key string) {
+	s := c.shard(key)
+	s.mu.Lock()
+	s.lru.Remove(key)
+	s.mu.Unlock()
+}
+
+// Len returns the number of buckets remembered.
+func (c *DenyCache) Len() int {
+	n := 0
+	for i := range c.shards {
+		c.shards[i].mu.Lock()
+		n += c.shards[i].lru.Len()
+		c.shards[i].mu.Unlock()
+	}
+	return n
+}
