@@ -117,7 +117,8 @@ func (t Take) costUnits() int64 { return min(t.Cost, t.Spec.Capacity+1) * t.Spec
 // Result is the outcome for one bucket.
 type Result struct {
 	// Remaining is the tokens left, floored: after the charge when the
-	// request is allowed, as they stand when it is denied.
+	// request is allowed, as they stand when it is denied. It is negative
+	// while a bucket is in debt after a settlement.
 	Remaining int64
 	// Reason is Allowed when this bucket alone would allow the request.
 	Reason Reason
@@ -181,7 +182,7 @@ func Decide(now int64, takes []Take, states []State, charged []bool) Decision {
 			charged[i] = true
 		}
 		r := &d.Buckets[i]
-		r.Remaining = units / t.Spec.Scale
+		r.Remaining = floorDiv(units, t.Spec.Scale)
 		r.FullMS = ceilDiv(t.Spec.CapacityUnits()-units, t.Spec.Refill*1000) + ceilDiv(states[i].Last-now, 1000)
 	}
 	return d
@@ -218,7 +219,7 @@ func refill(now int64, s Spec, st State) int64 {
 		// The limit changed since the state was written: keep the whole
 		// tokens, dropping a fraction, so a change never grants a token that
 		// was not there.
-		units = min(units/st.Scale, s.Capacity) * s.Scale
+		units = min(floorDiv(units, st.Scale), s.Capacity) * s.Scale
 	}
 	units = min(units, capUnits)
 	if now > st.Last {
@@ -229,6 +230,16 @@ func refill(now int64, s Spec, st State) int64 {
 		}
 	}
 	return units
+}
+
+// floorDiv returns ⌊a/b⌋ for b > 0, also for a < 0 (a bucket in debt after
+// a settlement), as Lua's math.floor does.
+func floorDiv(a, b int64) int64 {
+	q := a / b
+	if a%b != 0 && a < 0 {
+		q--
+	}
+	return q
 }
 
 // ceilDiv returns ⌈a/b⌉ for a ≥ 0, b > 0, and 0 for a ≤ 0.

@@ -7,7 +7,10 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/token-bucket/token_bucket/internal/redistest"
+	"github.com/token-bucket/token_bucket/lua"
 )
 
 // randomSpec draws a limit of the kinds operators write: whole and decimal
@@ -62,6 +65,9 @@ func TestLuaMatchesModel(t *testing.T) {
 		}
 		if r.IntN(200) == 0 { // an operator changed a limit
 			specs[r.IntN(nBuckets)] = randomSpec(t, r)
+		}
+		if r.IntN(20) == 0 { // a settlement: more tokens used than estimated, or fewer
+			settleBoth(t, rdb, now, step, keys, specs, model, r)
 		}
 		// A request uses one to all buckets, in a random order.
 		perm := r.Perm(nBuckets)[:1+r.IntN(nBuckets)]
@@ -216,3 +222,43 @@ func TestLimitChangedUnderState(t *testing.T) {
 		}
 	}
 }
+
+// settleBoth settles a random delta on one bucket in Redis (settle.lua, at
+// the driven time) and in the model, and checks the stored states agree.
+func settleBoth(t *testing.T, rdb *redis.Client, now int64, step int, keys []string, specs []Spec, model map[string]State, r *rand.Rand) {
+	t.Helper()
+	ctx := context.Background()
+	i := r.IntN(len(keys))
+	s := specs[i]
+	delta := r.Int64N(2*s.Capacity+3) - s.Capacity - 1
+	args := []any{"3600000", string(appendFloats(nil, s.CapacityUnits(), s.Refill, s.Scale, clampDelta(Adjust{Spec: s, Delta: delta}))),
+		now / 1_000_000, now % 1_000_000}
+	marker := fmt.Sprintf("rnd:{x}:settled:%d", step)
+	if err := settleClock.Run(ctx, rdb, []string{marker, keys[i]}, args...).Err(); err != nil {
+		t.Fatalf("step %d: settle: %v", step, err)
+	}
+	st, ok := model[keys[i]]
+	if !ok {
+		st = s.Full()
+	}
+	st, keep := SettleState(now, s, st, delta)
+	v, err := rdb.Get(ctx, keys[i]).Result()
+	switch {
+	case !keep:
+		delete(model, keys[i])
+		if err != redis.Nil {
+			t.Fatalf("step %d: settled bucket is full but its key holds %q (%v)", step, v, err)
+		}
+	default:
+		model[keys[i]] = st
+		got, derr := DecodeState(v)
+		if err != nil || derr != nil || got != st {
+			t.Fatalf("step %d: settle of %d: redis %+v (%v %v), model %+v", step, delta, got, err, derr, st)
+		}
+		rdb.Persist(ctx, keys[i])
+	}
+}
+
+// settleClock is settle.lua with its clock driven by the last two ARGV.
+var settleClock = redis.NewScript(strings.Replace(lua.SettleSource, lua.ClockLine,
+	"local clock = {ARGV[#ARGV - 1], ARGV[#ARGV]}", 1))

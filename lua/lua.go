@@ -28,6 +28,15 @@ var RefundSource string
 // bucket on another Redis Cluster slot.
 var Refund = redis.NewScript(RefundSource)
 
+// SettleSource is the text of settle.lua.
+//
+//go:embed settle.lua
+var SettleSource string
+
+// Settle charges or gives back the difference between a request's
+// estimated and actual LLM tokens, once per request.
+var Settle = redis.NewScript(SettleSource)
+
 // ClockLine is the one line of Source that reads the Redis clock. Tests that
 // drive time replace it; nothing else may.
 const ClockLine = "local clock = redis.call('TIME')"

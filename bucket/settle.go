@@ -1,0 +1,82 @@
+package bucket
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/token-bucket/token_bucket/lua"
+)
+
+// SettleTTL is how long a request's settlement marker is kept: a second
+// settlement of the same request within it changes nothing.
+const SettleTTL = time.Hour
+
+// Adjust is a settlement of one bucket: Delta tokens more to charge (> 0)
+// or to give back (< 0).
+type Adjust struct {
+	Spec  Spec
+	Delta int64
+}
+
+// Settle charges or gives back each bucket's delta in one script call,
+// once per id (a request id): a repeated call with the same id changes
+// nothing. It reports whether this call settled.
+func (s Redis) Settle(ctx context.Context, id string, keys []string, adj []Adjust) (bool, error) {
+	if len(keys) == 0 {
+		return false, nil
+	}
+	all := append([]string{keys[0] + ":settled:" + id}, keys...)
+	args := make([]any, 0, 1+len(adj))
+	args = append(args, strconv.FormatInt(SettleTTL.Milliseconds(), 10))
+	for _, a := range adj {
+		args = append(args, string(appendFloats(nil, a.Spec.CapacityUnits(), a.Spec.Refill, a.Spec.Scale, clampDelta(a))))
+	}
+	n, err := lua.Settle.Run(ctx, s.Client, all, args...).Int64()
+	if err != nil {
+		return false, fmt.Errorf("running settle script: %w", err)
+	}
+	return n == 1, nil
+}
+
+// Settle settles each hash-tag group of keys in its own call (one marker
+// per group, on the group's slot).
+func (s Sharded) Settle(ctx context.Context, id string, keys []string, adj []Adjust) (bool, error) {
+	settled := false
+	for _, idx := range groupByTag(keys) {
+		gk := make([]string, 0, len(idx))
+		ga := make([]Adjust, 0, len(idx))
+		for _, i := range idx {
+			gk, ga = append(gk, keys[i]), append(ga, adj[i])
+		}
+		ok, err := Redis{Client: s.Client}.Settle(ctx, id, gk, ga)
+		if err != nil {
+			return settled, err
+		}
+		settled = settled || ok
+	}
+	return settled, nil
+}
+
+// clampDelta returns the delta in units, capped at one capacity either way
+// (a debt deeper than one capacity is not kept; a refund beyond full is
+// moot), so every value stays exact.
+func clampDelta(a Adjust) int64 {
+	d := max(-a.Spec.Capacity, min(a.Delta, a.Spec.Capacity))
+	return d * a.Spec.Scale
+}
+
+// SettleState is the model of settle.lua for one bucket: the state after
+// charging (delta > 0) or giving back (delta < 0) delta tokens at now, and
+// whether the bucket is kept (false: full, its key is deleted).
+func SettleState(now int64, s Spec, st State, delta int64) (State, bool) {
+	units := refill(now, s, st)
+	last := max(now, st.Last)
+	units -= clampDelta(Adjust{Spec: s, Delta: delta})
+	units = max(units, -s.CapacityUnits())
+	if units >= s.CapacityUnits() {
+		return s.Full(), false
+	}
+	return State{Units: units, Scale: s.Scale, Last: last}, true
+}
