@@ -91,8 +91,12 @@ func ParseReply(vals []int64, takes []Take) (Decision, error) {
 	d := Decision{Buckets: make([]Result, len(takes))}
 	for i := range takes {
 		remaining, wait, full := vals[3*i], vals[3*i+1], vals[3*i+2]
-		if wait < -1 || full < 0 {
-			return Decision{}, errors.New("token bucket reply out of range: " + strconv.FormatInt(wait, 10) + " " + strconv.FormatInt(full, 10))
+		// The script's values are within ±2^53 (see its header); anything
+		// else would overflow the header arithmetic (⌈ms/1000⌉). Remaining
+		// is negative while a bucket is in debt after a settlement.
+		if remaining < -MaxExact || remaining > MaxExact || wait < -1 || wait > MaxExact || full < 0 || full > MaxExact {
+			return Decision{}, errors.New("token bucket reply out of range: " + strconv.FormatInt(remaining, 10) + " " +
+				strconv.FormatInt(wait, 10) + " " + strconv.FormatInt(full, 10))
 		}
 		r := &d.Buckets[i]
 		r.Remaining, r.FullMS = remaining, full

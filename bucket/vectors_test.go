@@ -212,7 +212,8 @@ func TestVectorsModel(t *testing.T) {
 var probeScript = redis.NewScript(strings.Replace(strings.Replace(lua.Source, lua.ClockLine,
 	"local clock = {ARGV[#ARGV - 1], ARGV[#ARGV]}", 1),
 	"\nreturn reply\n", `
-for i = 1, n do
+if type(reply) ~= 'table' then return reply end
+for i = 1, #KEYS do
   reply[#reply + 1] = redis.call('GET', KEYS[i]) or ''
   reply[#reply + 1] = redis.call('PTTL', KEYS[i])
   redis.call('PERSIST', KEYS[i])

@@ -5,6 +5,7 @@ package lua
 
 import (
 	_ "embed"
+	"strings"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -18,6 +19,27 @@ var Source string
 // EVALSHA and falls back to EVAL on NOSCRIPT (after a Redis restart, a
 // failover or SCRIPT FLUSH), which loads it again.
 var TokenBucket = redis.NewScript(Source)
+
+// mainReturn ends token_bucket.lua: the entry that decides every key.
+const mainReturn = "\nlocal reply = decide(0, 0, #KEYS)\nreturn reply\n"
+
+//go:embed demote.lua
+var demoteEntry string
+
+// DemoteSource is token_bucket.lua with demote.lua's entry in place of its
+// own: the same decision, plus counting denials and demoting.
+var DemoteSource = demoteSource()
+
+// Demote is the script for handlers with a demotion rule.
+var Demote = redis.NewScript(DemoteSource)
+
+func demoteSource() string {
+	core, ok := strings.CutSuffix(Source, mainReturn)
+	if !ok {
+		panic("lua: token_bucket.lua does not end with its main entry")
+	}
+	return core + "\n" + demoteEntry
+}
 
 // RefundSource is the text of refund.lua.
 //

@@ -35,76 +35,83 @@ local clock = redis.call('TIME')
 local now = clock[1] * 1000000 + clock[2]
 
 local floor, pack, unpack = math.floor, struct.pack, struct.unpack
-local n = #KEYS
-local reply = {}
--- Per bucket, saved between the passes: units held and time of the state.
-local held, at = {}, {}
-local allowed = true
 
--- Pass 1: refill and check every bucket; write nothing.
-for i = 1, n do
-  local cap, refill, scale, cost = unpack('<dddd', ARGV[i])
-  local u, last = cap, now
-  local v = redis.call('GET', KEYS[i])
-  if v then
-    if #v ~= 24 then
-      return redis.error_reply('ERR token_bucket: malformed bucket state at ' .. KEYS[i])
+-- decide decides the n buckets KEYS[ko + i], ARGV[ao + i] (i = 1..n) and
+-- returns the reply and whether the request is allowed.
+local function decide(ko, ao, n)
+  local reply = {}
+  -- Per bucket, saved between the passes: units held and time of the state.
+  local held, at = {}, {}
+  local allowed = true
+
+  -- Pass 1: refill and check every bucket; write nothing.
+  for i = 1, n do
+    local cap, refill, scale, cost = unpack('<dddd', ARGV[ao + i])
+    local u, last = cap, now
+    local v = redis.call('GET', KEYS[ko + i])
+    if v then
+      if #v ~= 24 then
+        return redis.error_reply('ERR token_bucket: malformed bucket state at ' .. KEYS[ko + i])
+      end
+      local oldscale
+      u, oldscale, last = unpack('<ddd', v)
+      if oldscale ~= scale then
+        -- The limit changed: keep whole tokens only, never grant a fraction.
+        local whole = floor(u / oldscale)
+        if whole * oldscale > u then whole = whole - 1 end
+        u = math.min(whole, cap / scale) * scale
+      elseif u > cap then
+        u = cap
+      end
+      if now > last then
+        local grown = (now - last) * refill
+        if grown >= cap - u then u = cap else u = u + grown end
+      end
     end
-    local oldscale
-    u, oldscale, last = unpack('<ddd', v)
-    if oldscale ~= scale then
-      -- The limit changed: keep whole tokens only, never grant a fraction.
-      local whole = floor(u / oldscale)
-      if whole * oldscale > u then whole = whole - 1 end
-      u = math.min(whole, cap / scale) * scale
-    elseif u > cap then
-      u = cap
+    held[i], at[i] = u, last
+    local wait = 0
+    if cost > cap then
+      wait, allowed = -1, false
+    elseif cost > u then
+      -- ceil((cost - u) / (refill * 1000)) milliseconds, exact below 2^53
+      local d, per = cost - u, refill * 1000
+      wait = floor(d / per)
+      if wait * per < d then wait = wait + 1 end
+      allowed = false
     end
-    if now > last then
-      local grown = (now - last) * refill
-      if grown >= cap - u then u = cap else u = u + grown end
-    end
+    reply[3 * i - 1] = wait
   end
-  held[i], at[i] = u, last
-  local wait = 0
-  if cost > cap then
-    wait, allowed = -1, false
-  elseif cost > u then
-    -- ceil((cost - u) / (refill * 1000)) milliseconds, exact below 2^53
-    local d, per = cost - u, refill * 1000
-    wait = floor(d / per)
-    if wait * per < d then wait = wait + 1 end
-    allowed = false
+
+  -- Pass 2: charge every bucket if all allowed; report remaining and time
+  -- until full.
+  for i = 1, n do
+    local cap, refill, scale, cost = unpack('<dddd', ARGV[ao + i])
+    local u, last = held[i], at[i]
+    local charge = allowed and cost > 0
+    if charge then
+      u = u - cost
+      if now > last then last = now end
+    end
+    -- ceil((cap - u) / (refill * 1000)), plus a clock that stepped back
+    local d, per = cap - u, refill * 1000
+    local full = floor(d / per)
+    if full * per < d then full = full + 1 end
+    if last > now then
+      local ahead = floor((last - now) / 1000)
+      if ahead * 1000 < last - now then ahead = ahead + 1 end
+      full = full + ahead
+    end
+    if charge then
+      redis.call('SET', KEYS[ko + i], pack('<ddd', u, scale, last), 'PX', full)
+    end
+    local rem = floor(u / scale)
+    if rem * scale > u then rem = rem - 1 end
+    reply[3 * i - 2] = rem
+    reply[3 * i] = full
   end
-  reply[3 * i - 1] = wait
+
+  return reply, allowed
 end
 
--- Pass 2: charge every bucket if all allowed; report remaining and time
--- until full.
-for i = 1, n do
-  local cap, refill, scale, cost = unpack('<dddd', ARGV[i])
-  local u, last = held[i], at[i]
-  local charge = allowed and cost > 0
-  if charge then
-    u = u - cost
-    if now > last then last = now end
-  end
-  -- ceil((cap - u) / (refill * 1000)), plus a clock that stepped back
-  local d, per = cap - u, refill * 1000
-  local full = floor(d / per)
-  if full * per < d then full = full + 1 end
-  if last > now then
-    local ahead = floor((last - now) / 1000)
-    if ahead * 1000 < last - now then ahead = ahead + 1 end
-    full = full + ahead
-  end
-  if charge then
-    redis.call('SET', KEYS[i], pack('<ddd', u, scale, last), 'PX', full)
-  end
-  local rem = floor(u / scale)
-  if rem * scale > u then rem = rem - 1 end
-  reply[3 * i - 2] = rem
-  reply[3 * i] = full
-end
-
+local reply = decide(0, 0, #KEYS)
 return reply

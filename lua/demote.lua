@@ -1,0 +1,56 @@
+--[[
+demote.lua: token_bucket.lua for a handler with a demotion rule. It is
+appended to token_bucket.lua in place of that script's last two lines, so
+the decision is the same code.
+
+An identity that keeps hammering while limited is moved to a stricter tier
+for a while: every denial (rate_limit_exceeded, not cost_exceeds_capacity)
+is counted in a window; at the threshold the identity is demoted, and until
+the demotion lapses its requests are decided on the penalty tier's limits.
+Counting and demotion happen in this same call.
+
+KEYS[1]  the demotion marker of the identity (PX = what is left of it)
+KEYS[2]  the identity's denial counter (PX = the window)
+KEYS[2 + i], i = 1..n          the buckets of the request's own tier
+KEYS[2 + n + i], i = 1..m      the same request's buckets on the penalty tier
+ARGV[1]  struct.pack('<dddd', n, threshold, window_ms, demote_ms)
+ARGV[1 + i]                    bucket parameters, as in token_bucket.lua,
+                               in KEYS order from KEYS[3]
+Reply    {demoted, demoted_ms, <token_bucket.lua's reply>}: demoted is 0
+         (the own tier decided), 1 (demoted before: the penalty tier
+         decided), 2 (this denial demoted the identity); demoted_ms is what
+         is left of the demotion.
+]]
+
+local nn, threshold, window, span = unpack('<dddd', ARGV[1])
+local left = redis.call('PTTL', KEYS[1])
+if left > 0 then
+  local reply = decide(2 + nn, 1 + nn, #KEYS - 2 - nn)
+  if type(reply) ~= 'table' then return reply end
+  table.insert(reply, 1, left)
+  table.insert(reply, 1, 1)
+  return reply
+end
+
+local reply, allowed = decide(2, 1, nn)
+if type(reply) ~= 'table' then return reply end
+local state = 0
+left = 0
+if not allowed then
+  local limited = false
+  for i = 1, nn do
+    if reply[3 * i - 1] > 0 then limited = true end
+  end
+  if limited then
+    local count = redis.call('INCR', KEYS[2])
+    if count == 1 then redis.call('PEXPIRE', KEYS[2], window) end
+    if count >= threshold then
+      redis.call('SET', KEYS[1], '1', 'PX', span)
+      redis.call('DEL', KEYS[2])
+      state, left = 2, span
+    end
+  end
+end
+table.insert(reply, 1, left)
+table.insert(reply, 1, state)
+return reply
