@@ -2,6 +2,8 @@ package tokenbucket
 
 import (
 	"math"
+
+	"github.com/dustin/go-humanize"
 	"strconv"
 
 	"github.com/caddyserver/caddy/v2"
@@ -59,10 +61,24 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		}
 //
 //		cost           <integer | placeholder>
+//		cost estimate {
+//			max_body           <size>      # default 1MiB
+//			default_max_tokens <n>         # default 1024
+//			on_invalid         reject|<n>  # default reject: 400 invalid_body
+//		}
+//		settle [header <name>]
+//		openai_headers
+//		demote [<dimension>] after <n> denials within <duration> to tier <name> for <duration>
 //		on_redis_error local|allow|deny
 //		local_buckets  <n>
 //		local_share    <fraction>
+//		deny_cache     <n>|off
 //		on_deny        respond|error
+//
+//		audit           on|off
+//		audit_window    <duration>
+//		audit_client_ip on|off
+//		audit_buckets   <n>
 //	}
 //
 // <refill> is <amount>/<period> (10/1m, 25/s, 600/1h, 0.5/s) or a bare
@@ -86,13 +102,35 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		switch dir {
 		case "redis":
 			err = h.unmarshalRedis(d)
-		case "key_prefix", "key_secret", "tier_from", "default_tier", "cost", "on_redis_error", "on_deny":
+		case "cost":
+			err = h.unmarshalCost(d)
+		case "settle":
+			err = h.unmarshalSettle(d)
+		case "demote":
+			err = h.unmarshalDemote(d)
+		case "openai_headers":
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+			h.OpenAIHeaders = true
+		case "key_prefix", "key_secret", "tier_from", "default_tier", "on_redis_error", "on_deny":
 			var v string
 			if v, err = oneArg(d); err == nil {
 				*h.stringField(dir) = v
 			}
 		case "ipv4_prefix", "ipv6_prefix", "local_buckets":
 			err = h.unmarshalInt(d, dir)
+		case "deny_cache":
+			var v string
+			if v, err = oneArg(d); err == nil {
+				if v == "off" {
+					h.DenyCache = -1
+				} else if n, perr := strconv.Atoi(v); perr != nil || n <= 0 {
+					return d.Errf("invalid deny_cache %q: must be a number of buckets > 0, or off", v)
+				} else {
+					h.DenyCache = n
+				}
+			}
 		case "local_share":
 			var v string
 			if v, err = oneArg(d); err == nil {
@@ -102,10 +140,12 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				}
 				h.LocalShare = share
 			}
+		case "audit", "audit_window", "audit_client_ip", "audit_buckets":
+			err = h.unmarshalAudit(d, dir)
 		case "dimension":
 			args := d.RemainingArgs()
 			if len(args) != 2 {
-				return d.ArgErr()
+				return argErr(d, "dimension", args, "<name> <placeholder template>")
 			}
 			h.Dimensions = append(h.Dimensions, Dimension{Name: args[0], Identity: args[1]})
 		case "tier":
@@ -123,6 +163,116 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return nil
 }
 
+// unmarshalCost reads cost <integer | placeholder> or
+//
+//	cost estimate {
+//		max_body           <size>
+//		default_max_tokens <n>
+//		on_invalid         reject | <cost>
+//	}
+func (h *Handler) unmarshalCost(d *caddyfile.Dispenser) error {
+	v, err := oneArgOrBlock(d)
+	if err != nil {
+		return err
+	}
+	if v != "estimate" {
+		if d.NextBlock(d.Nesting()) {
+			return d.Errf("cost %q takes no block (only cost estimate does)", v)
+		}
+		h.Cost = v
+		return nil
+	}
+	e := &Estimate{}
+	h.Estimate = e
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		opt := d.Val()
+		arg, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		switch opt {
+		case "max_body":
+			size, err := humanize.ParseBytes(arg)
+			if err != nil || size == 0 || size > 1<<30 {
+				return d.Errf("invalid estimate max_body %q: must be a size from 1B to 1GiB", arg)
+			}
+			e.MaxBody = int64(size)
+		case "default_max_tokens":
+			n, err := parseCost(arg)
+			if err != nil || n == 0 {
+				return d.Errf("invalid estimate default_max_tokens %q: %v", arg, errInvalidCost)
+			}
+			e.DefaultMaxTokens = n
+		case "on_invalid":
+			n := int64(-1)
+			if arg != "reject" {
+				if n, err = parseCost(arg); err != nil {
+					return d.Errf("invalid estimate on_invalid %q: reject or a cost: %v", arg, errInvalidCost)
+				}
+			}
+			e.OnInvalid = &n
+		default:
+			return d.Errf("unknown estimate option %q", opt)
+		}
+	}
+	return nil
+}
+
+// unmarshalDemote reads
+// demote [<dimension>] after <n> denials within <duration> to tier <name> for <duration>.
+func (h *Handler) unmarshalDemote(d *caddyfile.Dispenser) error {
+	args := d.RemainingArgs()
+	dm := &Demote{}
+	if len(args) == 11 {
+		dm.Dimension, args = args[0], args[1:]
+	}
+	if len(args) != 10 || args[0] != "after" || args[2] != "denials" || args[3] != "within" ||
+		args[5] != "to" || args[6] != "tier" || args[8] != "for" {
+		return d.Errf("invalid demote %q: demote [<dimension>] after <n> denials within <duration> to tier <name> for <duration>", args)
+	}
+	n, err := strconv.ParseInt(args[1], 10, 64)
+	if err != nil || n < 1 {
+		return d.Errf("invalid demote denials %q: must be a whole number ≥ 1", args[1])
+	}
+	within, err := caddy.ParseDuration(args[4])
+	if err != nil || within <= 0 {
+		return d.Errf("invalid demote window %q: must be a duration > 0", args[4])
+	}
+	span, err := caddy.ParseDuration(args[9])
+	if err != nil || span <= 0 {
+		return d.Errf("invalid demote duration %q: must be a duration > 0", args[9])
+	}
+	dm.Denials, dm.Within, dm.Tier, dm.For = n, caddy.Duration(within), args[7], caddy.Duration(span)
+	h.Demote = dm
+	return nil
+}
+
+// unmarshalSettle reads settle [header <name>].
+func (h *Handler) unmarshalSettle(d *caddyfile.Dispenser) error {
+	args := d.RemainingArgs()
+	h.Settle = &Settle{}
+	switch {
+	case len(args) == 0:
+	case len(args) == 2 && args[0] == "header":
+		h.Settle.Header = args[1]
+	default:
+		return d.Errf("invalid settle %q: settle, or settle header <name>", args)
+	}
+	return nil
+}
+
+// oneArgOrBlock reads exactly one argument that may be followed by a block.
+func oneArgOrBlock(d *caddyfile.Dispenser) (string, error) {
+	if !d.NextArg() {
+		return "", d.ArgErr()
+	}
+	v := d.Val()
+	if d.NextArg() {
+		return "", d.ArgErr()
+	}
+	return v, nil
+}
+
 func (h *Handler) stringField(name string) *string {
 	switch name {
 	case "key_prefix":
@@ -133,8 +283,6 @@ func (h *Handler) stringField(name string) *string {
 		return &h.TierFrom
 	case "default_tier":
 		return &h.DefaultTier
-	case "cost":
-		return &h.Cost
 	case "on_redis_error":
 		return &h.OnRedisError
 	default:
@@ -170,7 +318,7 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 	case 1:
 		h.Redis.URL = args[0]
 	default:
-		return d.ArgErr()
+		return argErr(d, "redis", args, "at most one URL")
 	}
 	seen := map[string]bool{}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
@@ -183,7 +331,7 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 		case "address":
 			h.Redis.Address = d.RemainingArgs()
 			if len(h.Redis.Address) == 0 {
-				return d.ArgErr()
+				return argErr(d, "address", nil, "one or more <host:port>")
 			}
 		case "username", "password", "sentinel", "sentinel_password", "tls_ca", "tls_server_name":
 			v, err := oneArg(d)
@@ -192,8 +340,8 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 			}
 			*h.Redis.stringField(opt) = v
 		case "cluster":
-			if d.NextArg() {
-				return d.ArgErr()
+			if args := d.RemainingArgs(); len(args) > 0 {
+				return argErr(d, opt, args, "no arguments")
 			}
 			h.Redis.Cluster = true
 		case "db", "pool_size", "breaker_failures":
@@ -214,8 +362,8 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 				h.Redis.BreakerFailures = n
 			}
 		case "tls":
-			if d.NextArg() {
-				return d.ArgErr()
+			if args := d.RemainingArgs(); len(args) > 0 {
+				return argErr(d, opt, args, "no arguments")
 			}
 			h.Redis.TLS = true
 		case "timeout", "breaker_cooldown":
@@ -261,7 +409,7 @@ func unmarshalLimit(d *caddyfile.Dispenser) (Limit, error) {
 	l := Limit{Dimension: d.Val()}
 	args := d.RemainingArgs()
 	if len(args) < 2 || len(args) > 3 {
-		return l, d.ArgErr()
+		return l, argErr(d, "limit "+l.Dimension, args, "<capacity> <refill> [requests|tokens]")
 	}
 	capacity, err := strconv.ParseInt(args[0], 10, 64)
 	if err != nil || capacity <= 0 || capacity > MaxCost {
@@ -305,15 +453,57 @@ func (c *RedisConfig) stringField(name string) *string {
 	}
 }
 
+// oneArg reads the one argument of the subdirective at the cursor.
 func oneArg(d *caddyfile.Dispenser) (string, error) {
-	if !d.NextArg() {
-		return "", d.ArgErr()
+	name := d.Val()
+	args := d.RemainingArgs()
+	if len(args) != 1 {
+		return "", argErr(d, name, args, "one value")
 	}
-	v := d.Val()
-	if d.NextArg() {
-		return "", d.ArgErr()
+	return args[0], nil
+}
+
+// argErr reports a wrong argument count, naming the subdirective and the
+// arguments given, except those that may hold a secret.
+func argErr(d *caddyfile.Dispenser, name string, args []string, want string) error {
+	switch name {
+	case "redis", "password", "sentinel_password", "key_secret":
+		return d.Errf("%s: wrong argument count %d, want %s", name, len(args), want)
 	}
-	return v, nil
+	return d.Errf("%s %q: wrong argument count, want %s", name, args, want)
+}
+
+// unmarshalAudit reads one of the audit subdirectives (see AuditOptions).
+func (h *Handler) unmarshalAudit(d *caddyfile.Dispenser, name string) error {
+	v, err := oneArg(d)
+	if err != nil {
+		return err
+	}
+	switch name {
+	case "audit", "audit_client_ip":
+		if v != "on" && v != "off" {
+			return d.Errf("invalid %s %q: must be on or off", name, v)
+		}
+		on := v == "on"
+		if name == "audit" {
+			h.Audit = &on
+		} else {
+			h.AuditClientIP = &on
+		}
+	case "audit_window":
+		dur, err := caddy.ParseDuration(v)
+		if err != nil || dur <= 0 {
+			return d.Errf("invalid audit_window %q: must be a duration > 0", v)
+		}
+		h.AuditWindow = caddy.Duration(dur)
+	default:
+		n, err := strconv.Atoi(v)
+		if err != nil || n <= 0 {
+			return d.Errf("invalid audit_buckets %q: must be a whole number > 0", v)
+		}
+		h.AuditBuckets = n
+	}
+	return nil
 }
 
 // Interface guard

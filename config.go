@@ -123,6 +123,18 @@ func (h *Handler) validate() error {
 	if h.DefaultTier != "" && !tiers[h.DefaultTier] {
 		return fmt.Errorf("default_tier %q: no tier has that name", h.DefaultTier)
 	}
+	if err := h.Demote.validate(h); err != nil {
+		return err
+	}
+	if err := h.Estimate.validate(); err != nil {
+		return err
+	}
+	if h.Estimate != nil && h.Cost != "" {
+		return fmt.Errorf("cost %q and estimate: set one, not both", h.Cost)
+	}
+	if h.Settle != nil && strings.ContainsAny(h.Settle.Header, " :\r\n") {
+		return fmt.Errorf("settle.header %q: not a header name", h.Settle.Header)
+	}
 	if _, err := staticCost(h.Cost); err != nil {
 		return fmt.Errorf("cost %q: %v", h.Cost, err)
 	}
@@ -145,7 +157,7 @@ func (h *Handler) validate() error {
 	if h.LocalBuckets < 0 {
 		return fmt.Errorf("local_buckets %d: must be > 0", h.LocalBuckets)
 	}
-	return nil
+	return h.AuditOptions.validate()
 }
 
 func (t Tier) validate(i int, dims map[string]bool) error {
@@ -215,13 +227,20 @@ func staticCost(cost string) (int64, error) {
 // parseCost reads a request's cost: an integer from 0 to MaxCost, in
 // decimal digits only (no sign, fraction or exponent).
 func parseCost(s string) (int64, error) {
-	if s == "" || len(s) > 16 {
+	if s == "" {
 		return 0, errInvalidCost
 	}
 	for i := 0; i < len(s); i++ {
 		if s[i] < '0' || s[i] > '9' {
 			return 0, errInvalidCost
 		}
+	}
+	// Leading zeros do not change the value ("007" is 7); MaxCost has 16
+	// digits, so more significant digits than that are an overflow.
+	if s = strings.TrimLeft(s, "0"); s == "" {
+		return 0, nil
+	} else if len(s) > 16 {
+		return 0, errInvalidCost
 	}
 	n, err := strconv.ParseInt(s, 10, 64)
 	if err != nil || n > MaxCost {

@@ -90,6 +90,28 @@ type Handler struct {
 	// unit "requests" always cost 1.
 	Cost string `json:"cost,omitempty"`
 
+	// Estimate, when set, makes the cost of "tokens" limits an estimate of
+	// the LLM tokens of an OpenAI- or Anthropic-style JSON request body,
+	// instead of Cost. See Estimate.
+	Estimate *Estimate `json:"estimate,omitempty"`
+
+	// Settle, when set, reads the actual LLM token usage from the response
+	// and charges or gives back the difference from the estimate against
+	// the same "tokens" buckets, once per request; a bucket may go into
+	// debt, which blocks later requests until refill repays it. See Settle.
+	Settle *Settle `json:"settle,omitempty"`
+
+	// OpenAIHeaders adds the rate-limit headers that OpenAI clients parse:
+	// x-ratelimit-limit-requests, x-ratelimit-remaining-requests,
+	// x-ratelimit-reset-requests and the same three for -tokens (reset as a
+	// duration such as "6m0s"), for the most constrained bucket of each
+	// unit; and x-should-retry: false when a cost can never fit.
+	OpenAIHeaders bool `json:"openai_headers,omitempty"`
+
+	// Demote moves an identity that keeps hammering while limited to a
+	// stricter tier for a while. See Demote.
+	Demote *Demote `json:"demote,omitempty"`
+
 	// OnRedisError says what happens when Redis fails or does not answer in
 	// time: "local" (the default) decides from buckets in this process's
 	// memory with the same limits; "allow" lets the request through; "deny"
@@ -125,6 +147,10 @@ type Handler struct {
 	// headers and placeholders are set either way.
 	OnDeny string `json:"on_deny,omitempty"`
 
+	// AuditOptions configure the audit log of denials: audit,
+	// audit_window, audit_client_ip, audit_buckets.
+	AuditOptions
+
 	logger  *zap.Logger
 	keyer   bucket.Keyer
 	tiers   map[string]*tier
@@ -133,6 +159,9 @@ type Handler struct {
 	conn    *conn
 	local   *bucket.Local
 	denials *bucket.DenyCache
+	demote  *demotion
+	metrics *handlerMetrics
+	audit   *auditor
 	poolKey string
 	now     func() time.Time
 }
@@ -173,11 +202,15 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if h.now == nil {
 		h.now = time.Now
 	}
-	if h.DenyCache >= 0 {
+	h.demote = h.Demote.compile(h.Dimensions, h.tiers)
+	if h.DenyCache >= 0 && h.demote == nil { // every denial must reach Redis to be counted
 		h.denials = bucket.NewDenyCache(h.DenyCache, h.now)
 	}
 	if h.OnRedisError == "" || h.OnRedisError == PolicyLocal {
 		h.local = bucket.NewLocal(h.LocalBuckets, h.now)
+	}
+	if err := h.provisionObservability(ctx); err != nil {
+		return err
 	}
 	r, err := h.Redis.resolve()
 	if err != nil {
@@ -188,6 +221,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("connecting to redis: %w", err)
 	}
 	h.conn, h.poolKey = c, key
+	registerHandler(h)
 	if err := c.ping(ctx); err != nil {
 		h.logger.Warn("redis is not answering yet; on_redis_error applies until it does",
 			zap.Strings("address", r.opt.Addrs), zap.Error(err))
@@ -200,6 +234,7 @@ func (h *Handler) Validate() error { return h.validate() }
 
 // Cleanup releases the shared Redis client.
 func (h *Handler) Cleanup() error {
+	unregisterHandler(h)
 	if h.poolKey == "" {
 		return nil
 	}
@@ -213,11 +248,17 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	t := h.resolveTier(repl)
 	repl.Set("http.token_bucket.tier", t.name)
 
-	req, err := h.buildRequest(repl, t)
+	req, err := h.buildRequest(r, repl, t)
+	if err == errInvalidBody {
+		h.metrics.count(t, outcomeInvalidBody, false)
+		return h.invalidBody(w, repl)
+	}
 	if err != nil {
+		h.metrics.count(t, outcomeInvalidCost, false)
 		return h.invalidCost(w, repl)
 	}
 	if len(req.takes) == 0 {
+		h.metrics.count(t, outcomeSkipped, false)
 		repl.Set("http.token_bucket.decision", "allowed")
 		return next.ServeHTTP(w, r)
 	}
@@ -226,7 +267,13 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		if sub, d, ok := h.cachedDenial(req); ok {
 			h.writeHeaders(w.Header(), sub.limits, &d)
 			setPlaceholders(repl, sub.limits, &d)
+			h.observe(r, t, sub, &d, false)
 			return h.deny(w, t, sub, &d)
+		}
+	}
+	if h.demote != nil && t != h.demote.penalty {
+		if id := h.identity(repl, h.demote.dim); id != "" {
+			return h.serveDemote(w, r, next, repl, t, req, id)
 		}
 	}
 	start := h.now()
@@ -241,34 +288,57 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 			}
 		}
 	}
-	h.writeHeaders(w.Header(), req.limits, &d)
-	setPlaceholders(repl, req.limits, &d)
+	return h.decided(w, r, next, repl, t, req, &d)
+}
+
+// decided answers a request that Redis decided: headers, placeholders and
+// metrics, then next (settling the usage after it when configured) or the
+// denial.
+func (h *Handler) decided(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler,
+	repl *caddy.Replacer, t *tier, req *request, d *bucket.Decision) error {
+	h.writeHeaders(w.Header(), req.limits, d)
+	setPlaceholders(repl, req.limits, d)
+	h.observe(r, t, req, d, false)
 	if d.Allowed {
+		if h.Settle != nil && req.hasTokens() {
+			rec := &recorder{ResponseWriter: w, tailCap: DefaultSettleTail}
+			err := next.ServeHTTP(rec, r)
+			h.settle(r, repl, req, rec)
+			return err
+		}
 		return next.ServeHTTP(w, r)
 	}
-	return h.deny(w, t, req, &d)
+	return h.deny(w, t, req, d)
 }
 
 // degraded decides a request that Redis could not, by on_redis_error.
 func (h *Handler) degraded(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler,
 	repl *caddy.Replacer, t *tier, req *request, cause error) error {
 	repl.Set("http.token_bucket.degraded", "true")
-	if c := h.logger.Check(zap.WarnLevel, "redis call failed; on_redis_error applies"); c != nil {
-		c.Write(zap.String("on_redis_error", h.policy()), zap.Error(cause))
+	// While the breaker is open every call fails at once; the breaker
+	// logged its opening, so only calls that reached Redis are logged.
+	if kind := countRedisError(cause); kind != errBreakerOpen {
+		if c := h.logger.Check(zap.WarnLevel, "redis call failed; on_redis_error applies"); c != nil {
+			c.Write(zap.String("on_redis_error", h.policy()), zap.String("kind", kind), zap.Error(cause))
+		}
 	}
 	switch h.policy() {
 	case PolicyAllow:
+		h.metrics.count(t, outcomeAllowed, true)
 		repl.Set("http.token_bucket.decision", "allowed")
 		return next.ServeHTTP(w, r)
 	case PolicyDeny:
+		h.metrics.count(t, outcomeUnavailable, true)
 		repl.Set("http.token_bucket.decision", "unavailable")
 		return h.unavailable(w)
 	}
 	d, err := h.local.Take(r.Context(), req.keys, req.localTakes())
 	if err != nil {
+		h.metrics.count(t, outcomeUnavailable, true)
 		return caddyhttp.Error(http.StatusServiceUnavailable, err)
 	}
 	setPlaceholders(repl, req.limits, &d)
+	h.observe(r, t, req, &d, true)
 	if d.Allowed {
 		return next.ServeHTTP(w, r)
 	}

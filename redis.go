@@ -7,6 +7,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/http"
+	"net/url"
 	"os"
 	"time"
 
@@ -84,11 +86,11 @@ func (c *RedisConfig) validate() error {
 	}
 	switch {
 	case c.URL != "" && len(c.Address) > 0:
-		return fmt.Errorf("redis: url %q and address %q: set one, not both", c.URL, c.Address)
+		return fmt.Errorf("redis: url %q and address %q: set one, not both", redactURL(c.URL), c.Address)
 	case c.Cluster && c.Sentinel != "":
 		return fmt.Errorf("redis: cluster and sentinel %q: choose one", c.Sentinel)
 	case (c.Cluster || c.Sentinel != "") && c.URL != "":
-		return fmt.Errorf("redis.url %q: give cluster or sentinel nodes in address", c.URL)
+		return fmt.Errorf("redis.url %q: give cluster or sentinel nodes in address", redactURL(c.URL))
 	case (c.Cluster || c.Sentinel != "") && len(c.Address) == 0:
 		return errors.New("redis.address: cluster and sentinel need at least one address")
 	case !c.Cluster && c.Sentinel == "" && len(c.Address) > 1:
@@ -109,12 +111,23 @@ func (c *RedisConfig) validate() error {
 	return nil
 }
 
+// redactURL returns a redis URL for an error message, its password
+// replaced by "xxxxx".
+func redactURL(s string) string {
+	u, err := url.Parse(s)
+	if err != nil {
+		return "(unparsable)"
+	}
+	return u.Redacted()
+}
+
 // resolved is a RedisConfig with placeholders replaced and defaults set.
 type resolved struct {
 	opt      redis.UniversalOptions
 	cluster  bool
 	failures int
 	cooldown time.Duration
+	ca       string // the PEM of tls_ca: another CA, or new contents, is another client
 }
 
 // resolve replaces placeholders ({env.*}, {file.*}) and builds go-redis
@@ -136,7 +149,12 @@ func (c *RedisConfig) resolve() (*resolved, error) {
 		}
 		p, err := redis.ParseURL(u)
 		if err != nil {
-			return nil, fmt.Errorf("redis.url: %v", err) // the URL may hold a password: not echoed
+			// The URL may hold a password: not echoed, and url.Error
+			// would echo it.
+			if ue := (*url.Error)(nil); errors.As(err, &ue) {
+				err = ue.Err
+			}
+			return nil, fmt.Errorf("redis.url: %v", err)
 		}
 		o.Addrs, o.Username, o.Password, o.DB, o.TLSConfig = []string{p.Addr}, p.Username, p.Password, p.DB, p.TLSConfig
 	}
@@ -157,9 +175,11 @@ func (c *RedisConfig) resolve() (*resolved, error) {
 	if c.DB != 0 {
 		o.DB = c.DB
 	}
-	if err := c.tlsConfig(o); err != nil {
+	ca, err := c.tlsConfig(o)
+	if err != nil {
 		return nil, err
 	}
+	r.ca = ca
 	timeout := time.Duration(c.Timeout)
 	if timeout == 0 {
 		timeout = DefaultTimeout
@@ -167,6 +187,10 @@ func (c *RedisConfig) resolve() (*resolved, error) {
 	o.DialTimeout, o.ReadTimeout, o.WriteTimeout = timeout, timeout, timeout
 	o.ContextTimeoutEnabled = true
 	o.MaxRetries = -1
+	// A refused dial fails at once: go-redis's default of 5 dials 100ms
+	// apart outlasts the timeout, so every call during an outage would
+	// wait out the whole timeout and report it instead of the cause.
+	o.DialerRetries = 1
 	o.PoolSize = c.PoolSize
 	if r.failures == 0 {
 		r.failures = DefaultBreakerFailures
@@ -177,9 +201,10 @@ func (c *RedisConfig) resolve() (*resolved, error) {
 	return r, nil
 }
 
-func (c *RedisConfig) tlsConfig(o *redis.UniversalOptions) error {
+// tlsConfig sets up TLS and returns the PEM of tls_ca.
+func (c *RedisConfig) tlsConfig(o *redis.UniversalOptions) (string, error) {
 	if !c.TLS && c.TLSCA == "" && c.TLSServerName == "" {
-		return nil
+		return "", nil
 	}
 	if o.TLSConfig == nil {
 		o.TLSConfig = &tls.Config{MinVersion: tls.VersionTLS12}
@@ -188,15 +213,16 @@ func (c *RedisConfig) tlsConfig(o *redis.UniversalOptions) error {
 	if c.TLSCA != "" {
 		pem, err := os.ReadFile(c.TLSCA)
 		if err != nil {
-			return fmt.Errorf("redis.tls_ca: %v", err)
+			return "", fmt.Errorf("redis.tls_ca: %v", err)
 		}
 		pool := x509.NewCertPool()
 		if !pool.AppendCertsFromPEM(pem) {
-			return fmt.Errorf("redis.tls_ca %q: no PEM certificate in it", c.TLSCA)
+			return "", fmt.Errorf("redis.tls_ca %q: no PEM certificate in it", c.TLSCA)
 		}
 		o.TLSConfig.RootCAs = pool
+		return string(pem), nil
 	}
-	return nil
+	return "", nil
 }
 
 func (r *resolved) timeout() time.Duration { return r.opt.ReadTimeout }
@@ -211,7 +237,7 @@ func (r *resolved) key() string {
 		serverName, roots = o.TLSConfig.ServerName, o.TLSConfig.RootCAs != nil
 	}
 	k, _ := json.Marshal([]any{o.Addrs, r.cluster, o.MasterName, o.SentinelPassword, o.Username, o.Password, o.DB,
-		o.TLSConfig != nil, serverName, roots, o.ReadTimeout, o.PoolSize, r.failures, r.cooldown})
+		o.TLSConfig != nil, serverName, roots, r.ca, o.ReadTimeout, o.PoolSize, r.failures, r.cooldown})
 	return string(k)
 }
 
@@ -247,6 +273,7 @@ func newConn(r *resolved, logger *zap.Logger) *conn {
 	switch {
 	case r.cluster:
 		cc := redis.NewClusterClient(r.opt.Cluster())
+		cc.AddHook(bucket.NoRetry{}) // MaxRetries -1 does not stop its retries
 		c.client, c.store = cc, bucket.Sharded{Client: cc}
 	case r.opt.MasterName != "":
 		fc := redis.NewFailoverClient(r.opt.Failover())
@@ -263,13 +290,19 @@ func newConn(r *resolved, logger *zap.Logger) *conn {
 		ReadyToTrip: func(n gobreaker.Counts) bool { return n.ConsecutiveFailures >= failures },
 		// A client that went away says nothing about Redis.
 		IsExcluded: func(err error) bool { return errors.Is(err, context.Canceled) },
+		// Runs inside the breaker's lock: it must not call the breaker.
 		OnStateChange: func(_ string, from, to gobreaker.State) {
+			breakerChanged(to)
+			addrs := zap.Strings("address", r.opt.Addrs)
 			switch to {
 			case gobreaker.StateOpen:
-				logger.Warn("redis circuit breaker open: on_redis_error decides until redis answers",
-					zap.String("from", from.String()))
+				logger.Warn("redis circuit breaker opened: degraded, on_redis_error decides every request until redis answers",
+					zap.String("from", breakerState(from)), addrs, zap.Duration("probe_in", r.cooldown))
+			case gobreaker.StateHalfOpen:
+				logger.Info("redis circuit breaker half-open: probing redis with one request", addrs)
 			case gobreaker.StateClosed:
-				logger.Info("redis circuit breaker closed: decisions come from redis again")
+				logger.Warn("redis circuit breaker closed: degraded mode over, redis decides again",
+					zap.String("from", breakerState(from)), addrs)
 			}
 		},
 	})
@@ -282,8 +315,14 @@ func (c *conn) take(ctx context.Context, keys []string, takes []bucket.Take) (bu
 	return c.breaker.Execute(func() (bucket.Decision, error) {
 		ctx, cancel := context.WithTimeout(ctx, c.timeout)
 		defer cancel()
+		defer observeRedisCall(time.Now())
 		return c.store.Take(ctx, keys, takes)
 	})
+}
+
+// contextWithTimeout bounds one limiter call of the request r.
+func contextWithTimeout(r *http.Request, d time.Duration) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(r.Context(), d)
 }
 
 // ping checks that Redis answers within the timeout.

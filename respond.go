@@ -1,8 +1,10 @@
 package tokenbucket
 
 import (
+	"math"
 	"net/http"
 	"strconv"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -27,17 +29,64 @@ func (h *Handler) writeHeaders(hdr http.Header, limits []*limit, d *bucket.Decis
 		state = append(state, '"')
 		state = append(state, l.name...)
 		state = append(state, `";r=`...)
-		state = strconv.AppendInt(state, b.Remaining, 10)
+		state = strconv.AppendInt(state, max(0, b.Remaining), 10)
 		state = append(state, ";t="...)
 		state = strconv.AppendInt(state, resetSeconds(b), 10)
 	}
 	hdr["Ratelimit-Policy"] = []string{string(policy)}
 	hdr["Ratelimit"] = []string{string(state)}
 
+	if h.OpenAIHeaders {
+		openAIHeaders(hdr, limits, d)
+	}
 	i := constrained(limits, d)
 	hdr["X-Ratelimit-Limit"] = []string{strconv.FormatInt(limits[i].spec.Capacity, 10)}
-	hdr["X-Ratelimit-Remaining"] = []string{strconv.FormatInt(d.Buckets[i].Remaining, 10)}
+	hdr["X-Ratelimit-Remaining"] = []string{strconv.FormatInt(max(0, d.Buckets[i].Remaining), 10)}
 	hdr["X-Ratelimit-Reset"] = []string{strconv.FormatInt(resetSeconds(&d.Buckets[i]), 10)}
+}
+
+// openAIHeaders sets x-ratelimit-{limit,remaining,reset}-{requests,tokens}
+// for the most constrained bucket of each unit, as OpenAI's API sends them
+// (reset as a Go duration such as "6m0s"), and x-should-retry: false when a
+// cost can never fit.
+func openAIHeaders(hdr http.Header, limits []*limit, d *bucket.Decision) {
+	for _, unit := range [2]bool{false, true} {
+		best, share := -1, 2.0
+		for i, l := range limits {
+			if l.tokens != unit {
+				continue
+			}
+			b := &d.Buckets[i]
+			s := float64(b.Remaining) / float64(l.spec.Capacity)
+			switch b.Reason { // a denying bucket is the constraint:
+			case bucket.RateLimited:
+				s = -1 - float64(b.RetryAfterMS) // the longest wait, as Retry-After
+			case bucket.CostExceedsCapacity:
+				s = math.Inf(-1) // no wait helps
+			}
+			if s < share {
+				best, share = i, s
+			}
+		}
+		if best < 0 {
+			continue
+		}
+		suffix := "-Requests"
+		if unit {
+			suffix = "-Tokens"
+		}
+		b := &d.Buckets[best]
+		reset := b.FullMS
+		if b.Reason == bucket.RateLimited {
+			reset = b.RetryAfterMS
+		}
+		hdr["X-Ratelimit-Limit"+suffix] = []string{strconv.FormatInt(limits[best].spec.Capacity, 10)}
+		hdr["X-Ratelimit-Remaining"+suffix] = []string{strconv.FormatInt(max(0, b.Remaining), 10)}
+		hdr["X-Ratelimit-Reset"+suffix] = []string{(time.Duration(reset) * time.Millisecond).String()}
+	}
+	if d.Reason == bucket.CostExceedsCapacity {
+		hdr["X-Should-Retry"] = []string{"false"}
+	}
 }
 
 // resetSeconds is a bucket's t: the seconds until it can serve the request
@@ -68,7 +117,7 @@ func constrained(limits []*limit, d *bucket.Decision) int {
 // setPlaceholders sets {http.token_bucket.*} for later handlers and logs.
 func setPlaceholders(repl *caddy.Replacer, limits []*limit, d *bucket.Decision) {
 	i := constrained(limits, d)
-	repl.Set("http.token_bucket.remaining", d.Buckets[i].Remaining)
+	repl.Set("http.token_bucket.remaining", max(0, d.Buckets[i].Remaining))
 	if d.Allowed {
 		repl.Set("http.token_bucket.decision", "allowed")
 		return
@@ -108,7 +157,11 @@ func (h *Handler) deny(w http.ResponseWriter, t *tier, req *request, d *bucket.D
 	body = append(body, t.name...)
 	body = append(body, `","dimension":"`...)
 	body = append(body, l.dimension...)
-	body = append(body, "\"}\n"...)
+	body = append(body, '"')
+	if req.demoted {
+		body = append(body, `,"demoted":true`...)
+	}
+	body = append(body, "}\n"...)
 	if h.OnDeny == DenyError {
 		return caddyhttp.Error(http.StatusTooManyRequests, errDenied)
 	}
@@ -124,6 +177,18 @@ func (h *Handler) invalidCost(w http.ResponseWriter, repl *caddy.Replacer) error
 	}
 	return writeJSON(w, http.StatusBadRequest,
 		[]byte(`{"error":"invalid_cost","message":"the request's cost must be an integer from 0 to 9007199254740991"}`+"\n"))
+}
+
+// invalidBody answers a request whose body the estimator cannot read
+// (not JSON, or larger than estimate.max_body) with 400 invalid_body, unless
+// estimate.on_invalid gives a fallback cost.
+func (h *Handler) invalidBody(w http.ResponseWriter, repl *caddy.Replacer) error {
+	repl.Set("http.token_bucket.decision", "invalid_body")
+	if h.OnDeny == DenyError {
+		return caddyhttp.Error(http.StatusBadRequest, errInvalidBody)
+	}
+	return writeJSON(w, http.StatusBadRequest,
+		[]byte(`{"error":"invalid_body","message":"the request body must be a JSON chat or completion request within the size limit"}`+"\n"))
 }
 
 // unavailable answers 503 for on_redis_error deny; never 429, which would

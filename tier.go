@@ -2,6 +2,7 @@ package tokenbucket
 
 import (
 	"math"
+	"net/http"
 	"net/netip"
 	"strconv"
 
@@ -98,9 +99,21 @@ func (h *Handler) resolveTier(repl *caddy.Replacer) *tier {
 
 // request is the buckets one request is decided on.
 type request struct {
-	keys   []string
-	takes  []bucket.Take
-	limits []*limit
+	keys      []string
+	takes     []bucket.Take
+	limits    []*limit
+	estimated bool // the tokens cost came from the body estimate
+	demoted   bool // decided on a demotion's penalty tier, or demoted by this denial
+}
+
+// hasTokens reports whether the request is charged in a "tokens" limit.
+func (r *request) hasTokens() bool {
+	for _, l := range r.limits {
+		if l.tokens {
+			return true
+		}
+	}
+	return false
 }
 
 // localTakes returns the request's takes with the local_share specs.
@@ -137,7 +150,7 @@ func (h *Handler) cachedDenial(req *request) (*request, bucket.Decision, bool) {
 
 // buildRequest resolves the identities and the cost of the tier's limits.
 // It fails only on an invalid cost.
-func (h *Handler) buildRequest(repl *caddy.Replacer, t *tier) (*request, error) {
+func (h *Handler) buildRequest(r *http.Request, repl *caddy.Replacer, t *tier) (*request, error) {
 	n := len(t.limits)
 	req := &request{keys: make([]string, 0, n), takes: make([]bucket.Take, 0, n), limits: make([]*limit, 0, n)}
 	var idsBuf [8]string
@@ -160,11 +173,18 @@ func (h *Handler) buildRequest(repl *caddy.Replacer, t *tier) (*request, error) 
 		}
 		c := int64(1)
 		if l.tokens {
-			if cost < 0 {
+			if cost < 0 || (h.Estimate != nil && !req.estimated) {
 				var err error
-				if cost, err = parseCost(repl.ReplaceAll(h.Cost, "")); err != nil {
+				if h.Estimate != nil {
+					cost, err = h.Estimate.estimate(r)
+					req.estimated = true
+				} else {
+					cost, err = parseCost(repl.ReplaceAll(h.Cost, ""))
+				}
+				if err != nil {
 					return nil, err
 				}
+				repl.Set("http.token_bucket.cost", cost)
 			}
 			c = cost
 		}
@@ -183,6 +203,14 @@ func (h *Handler) identity(repl *caddy.Replacer, i int) string {
 	if err != nil || id == "" {
 		return ""
 	}
+	return h.normalizeIdentity(id)
+}
+
+// normalizeIdentity gives an identity its form in keys: an IP address is
+// masked to ipv4_prefix / ipv6_prefix bits (an IPv4-mapped IPv6 address
+// counts as IPv4), anything else is kept as it is. The admin API uses it
+// for identities typed by an operator.
+func (h *Handler) normalizeIdentity(id string) string {
 	if ip, err := netip.ParseAddr(id); err == nil {
 		ip = ip.Unmap().WithZone("")
 		bits := h.IPv6Prefix

@@ -90,8 +90,11 @@ func (r Rate) String() string {
 }
 
 // decimalRE is a plain decimal number: no hex, fraction, NaN or Inf (a
-// minus sign is read, to be refused as not positive).
-var decimalRE = regexp.MustCompile(`^-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$`)
+// minus sign is read, to be refused as not positive). The exponent has at
+// most 3 digits: big.Rat would otherwise expand "1e999999" into a
+// million-digit number, seconds of work for a 9-byte token, and no rate
+// that fits in 64 bits needs more.
+var decimalRE = regexp.MustCompile(`^-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]{1,3})?$`)
 
 func rateFromRat(q *big.Rat) (Rate, error) {
 	if q.Sign() <= 0 {
@@ -109,9 +112,13 @@ func parseAmount(s string) (*big.Rat, error) {
 		return nil, errors.New("missing refill amount")
 	}
 	// big.Rat accepts "a/b" too; the slash is already split off, so a
-	// leftover one is a syntax error. It rejects NaN and Inf.
+	// leftover one is a syntax error. It rejects NaN and Inf. The pattern
+	// is checked first, to bound the exponent SetString expands.
+	if !decimalRE.MatchString(s) {
+		return nil, fmt.Errorf("refill amount %q is not a number", s)
+	}
 	amount, ok := new(big.Rat).SetString(s)
-	if !ok || !decimalRE.MatchString(s) {
+	if !ok {
 		return nil, fmt.Errorf("refill amount %q is not a number", s)
 	}
 	if amount.Sign() <= 0 {
@@ -134,8 +141,11 @@ func parsePeriod(s string) (*big.Rat, error) {
 		return big.NewRat(86400, 1), nil
 	}
 	if days, ok := strings.CutSuffix(s, "d"); ok {
+		if !decimalRE.MatchString(days) {
+			return nil, fmt.Errorf("refill period %q is not a duration", s)
+		}
 		n, valid := new(big.Rat).SetString(days)
-		if !valid || !decimalRE.MatchString(days) || n.Sign() <= 0 {
+		if !valid || n.Sign() <= 0 {
 			return nil, fmt.Errorf("refill period %q is not a duration", s)
 		}
 		return n.Mul(n, big.NewRat(86400, 1)), nil

@@ -29,6 +29,8 @@ type ShardedClient interface {
 // be denied though it would not have been: a false denial bounded by that
 // window, never an extra admission.
 type Sharded struct {
+	// Client must not retry: MaxRetries -1 and the NoRetry hook, without
+	// which a ClusterClient runs a script again after a lost reply.
 	Client ShardedClient
 }
 

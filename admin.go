@@ -1,0 +1,421 @@
+package tokenbucket
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/caddyserver/caddy/v2"
+
+	"github.com/token-bucket/token_bucket/bucket"
+)
+
+func init() {
+	caddy.RegisterModule(AdminAPI{})
+}
+
+// handlers are the provisioned token_bucket handlers, in the order they
+// were provisioned, for the admin API. A handler joins at the end of its
+// Provision and leaves in its Cleanup, so after a config load finishes the
+// list holds the new config's handlers only (during the load, briefly,
+// the old ones too). The list is copied on write, so a reader may keep
+// the slice it read after unlocking.
+var handlers struct {
+	sync.RWMutex
+	list []*Handler
+}
+
+func registerHandler(h *Handler) {
+	handlers.Lock()
+	defer handlers.Unlock()
+	handlers.list = append(slices.Clip(handlers.list), h)
+}
+
+func unregisterHandler(h *Handler) {
+	handlers.Lock()
+	defer handlers.Unlock()
+	if i := slices.Index(handlers.list, h); i >= 0 {
+		handlers.list = slices.Concat(handlers.list[:i], handlers.list[i+1:])
+	}
+}
+
+// AdminAPI is the admin.api.token_bucket module: endpoints on Caddy's admin
+// endpoint (never on a site) to see the configured limits and inspect or
+// reset one identity's bucket. Caddy mounts it on the admin endpoint
+// whenever the module is compiled in; it has no configuration.
+//
+//	GET    /token_bucket/handlers        the handlers, each with its id
+//	GET    /token_bucket/bucket?...      one bucket's state, charging nothing
+//	POST   /token_bucket/bucket          the same, parameters in a JSON body
+//	DELETE /token_bucket/bucket?...      reset the bucket to full
+//	POST   /token_bucket/bucket/reset    the same, query or JSON body
+//
+// The bucket parameters are handler (an id from /token_bucket/handlers;
+// may be left out when there is one handler), tier (default: the default
+// tier), dimension, unit (requests, the default, or tokens), and either
+// identity (the raw identity, hashed here as the handler hashes it) or id
+// (the hashed identity, as audit entries show it). Caddy's admin log
+// records request URIs: to keep a raw API key out of it, send identity in
+// a POST body, or send id.
+//
+// A reset deletes the bucket's key, so the next request finds it full, and
+// drops it from the deny caches of this Caddy's handlers. Other Caddy
+// instances sharing the Redis may still answer the client from their deny
+// cache until the wait they gave lapses: reset there too. Demotion state
+// and on_redis_error's in-memory buckets are left alone.
+type AdminAPI struct {
+	logger *zap.Logger
+}
+
+// CaddyModule returns the Caddy module information.
+func (AdminAPI) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "admin.api.token_bucket",
+		New: func() caddy.Module { return new(AdminAPI) },
+	}
+}
+
+// Provision sets up the module.
+func (a *AdminAPI) Provision(ctx caddy.Context) error {
+	// Caddy provisions admin modules outside any module's context, where
+	// ctx.Logger() would not know the module: name it, as admin.api.pki
+	// does.
+	a.logger = ctx.Logger(a)
+	return nil
+}
+
+// Routes returns the module's admin routes.
+func (a *AdminAPI) Routes() []caddy.AdminRoute {
+	return []caddy.AdminRoute{{Pattern: "/token_bucket/", Handler: caddy.AdminHandlerFunc(a.serve)}}
+}
+
+func (a *AdminAPI) serve(w http.ResponseWriter, r *http.Request) error {
+	switch strings.TrimSuffix(r.URL.Path, "/") {
+	case "/token_bucket/handlers":
+		if r.Method != http.MethodGet {
+			return methodNotAllowed(r, "GET")
+		}
+		return writeAdminJSON(w, map[string]any{"handlers": listHandlers()})
+	case "/token_bucket/bucket":
+		switch r.Method {
+		case http.MethodGet, http.MethodPost:
+			return a.bucket(w, r, false)
+		case http.MethodDelete:
+			return a.bucket(w, r, true)
+		}
+		return methodNotAllowed(r, "GET, POST, DELETE")
+	case "/token_bucket/bucket/reset":
+		if r.Method != http.MethodPost {
+			return methodNotAllowed(r, "POST")
+		}
+		return a.bucket(w, r, true)
+	}
+	return apiError(http.StatusNotFound, "no such token_bucket endpoint: see /token_bucket/handlers and /token_bucket/bucket")
+}
+
+// handlerInfo describes a handler in GET /token_bucket/handlers.
+type handlerInfo struct {
+	ID           int         `json:"id"`
+	KeyPrefix    string      `json:"key_prefix"`
+	Dimensions   []Dimension `json:"dimensions"`
+	TierFrom     string      `json:"tier_from,omitempty"`
+	DefaultTier  string      `json:"default_tier"`
+	OnRedisError string      `json:"on_redis_error"`
+	Tiers        []tierInfo  `json:"tiers"`
+}
+
+type tierInfo struct {
+	Name   string      `json:"name"`
+	Limits []limitInfo `json:"limits"`
+}
+
+type limitInfo struct {
+	Dimension  string  `json:"dimension"`
+	Capacity   int64   `json:"capacity"`
+	RefillRate float64 `json:"refill_rate"`
+	Unit       string  `json:"unit"`
+}
+
+func listHandlers() []handlerInfo {
+	handlers.RLock()
+	defer handlers.RUnlock()
+	out := make([]handlerInfo, 0, len(handlers.list))
+	for i, h := range handlers.list {
+		hi := handlerInfo{ID: i, KeyPrefix: h.KeyPrefix, Dimensions: h.Dimensions, TierFrom: h.TierFrom,
+			DefaultTier: h.deflt.name, OnRedisError: h.policy(), Tiers: make([]tierInfo, 0, len(h.Tiers))}
+		if hi.Dimensions == nil {
+			hi.Dimensions = []Dimension{}
+		}
+		for _, t := range h.Tiers {
+			ti := tierInfo{Name: t.Name, Limits: make([]limitInfo, 0, len(t.Limits))}
+			for _, l := range t.Limits {
+				ti.Limits = append(ti.Limits, limitInfo{Dimension: l.Dimension, Capacity: l.Capacity, RefillRate: l.RefillRate, Unit: l.unit()})
+			}
+			hi.Tiers = append(hi.Tiers, ti)
+		}
+		out = append(out, hi)
+	}
+	return out
+}
+
+// bucketParams are the parameters of the bucket endpoints.
+type bucketParams struct {
+	Handler   *int   `json:"handler,omitempty"`
+	Tier      string `json:"tier,omitempty"`
+	Dimension string `json:"dimension"`
+	Unit      string `json:"unit,omitempty"`
+	Identity  string `json:"identity,omitempty"`
+	ID        string `json:"id,omitempty"`
+}
+
+// bucketState is the answer of the bucket endpoints.
+type bucketState struct {
+	Handler    int     `json:"handler"`
+	Tier       string  `json:"tier"`
+	Dimension  string  `json:"dimension"`
+	Unit       string  `json:"unit"`
+	ID         string  `json:"id"`
+	Key        string  `json:"key"`
+	Tokens     int64   `json:"tokens"`
+	Capacity   int64   `json:"capacity"`
+	RefillRate float64 `json:"refill_rate"`
+	// MSUntilFull is the time until the bucket is full, rounded up to the
+	// millisecond; 0 for a full bucket.
+	MSUntilFull int64 `json:"ms_until_full"`
+	// TTLMS is the key's remaining time to live; 0 when there is no key
+	// (a full bucket).
+	TTLMS  int64 `json:"ttl_ms"`
+	Exists bool  `json:"exists"`
+	// Deleted says, for a reset, whether there was a key to delete.
+	Deleted *bool `json:"deleted,omitempty"`
+}
+
+// bucketTarget is a bucket resolved from bucketParams.
+type bucketTarget struct {
+	index int
+	h     *Handler
+	tier  *tier
+	limit *limit
+	rate  float64
+	key   string
+}
+
+// bucket answers a lookup, or a reset when reset is set.
+func (a *AdminAPI) bucket(w http.ResponseWriter, r *http.Request, reset bool) error {
+	p, err := readBucketParams(r)
+	if err != nil {
+		return err
+	}
+	bt, err := resolveBucket(p)
+	if err != nil {
+		return err
+	}
+	c := bt.h.conn
+	ctx, cancel := context.WithTimeout(r.Context(), max(c.timeout, time.Second))
+	defer cancel()
+	var deleted *bool
+	if reset {
+		n, err := c.client.Del(ctx, bt.key).Result()
+		if err != nil {
+			return apiError(http.StatusServiceUnavailable, "redis: deleting the bucket: "+err.Error())
+		}
+		d := n > 0
+		deleted = &d
+		forgetDenials(bt.key)
+		a.logger.Info("bucket reset", zap.Int("handler", bt.index), zap.String("tier", bt.tier.name),
+			zap.String("dimension", bt.limit.dimension), zap.String("key", bt.key), zap.Bool("deleted", d))
+	}
+	st, err := peek(ctx, c, bt.key, bt.limit.spec)
+	if err != nil {
+		return apiError(http.StatusServiceUnavailable, "redis: reading the bucket: "+err.Error())
+	}
+	st.Handler, st.Tier, st.Dimension, st.Unit = bt.index, bt.tier.name, bt.limit.dimension, unitName(bt.limit)
+	st.ID, st.Key, st.Capacity, st.RefillRate, st.Deleted = keyID(bt.key), bt.key, bt.limit.spec.Capacity, bt.rate, deleted
+	return writeAdminJSON(w, st)
+}
+
+// forgetDenials drops key from every handler's deny cache in this process,
+// so that the reset bucket serves its client at once here. Other Caddy
+// instances sharing the Redis keep their cached denial until its wait
+// lapses: reset there too.
+func forgetDenials(key string) {
+	handlers.RLock()
+	defer handlers.RUnlock()
+	for _, h := range handlers.list {
+		if h.denials != nil {
+			h.denials.Forget(key)
+		}
+	}
+}
+
+// readBucketParams reads the parameters from a POST's JSON body, or else
+// from the query string.
+func readBucketParams(r *http.Request) (bucketParams, error) {
+	var p bucketParams
+	if r.Method == http.MethodPost && r.ContentLength != 0 {
+		dec := json.NewDecoder(io.LimitReader(r.Body, 64<<10))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&p); err != nil {
+			return p, apiError(http.StatusBadRequest, "reading the JSON body: "+err.Error())
+		}
+		return p, nil
+	}
+	q := r.URL.Query()
+	if v := q.Get("handler"); v != "" {
+		i, err := strconv.Atoi(v)
+		if err != nil {
+			return p, apiError(http.StatusBadRequest, fmt.Sprintf("handler %q: must be a handler id from /token_bucket/handlers", v))
+		}
+		p.Handler = &i
+	}
+	p.Tier, p.Dimension, p.Unit = q.Get("tier"), q.Get("dimension"), q.Get("unit")
+	p.Identity, p.ID = q.Get("identity"), q.Get("id")
+	return p, nil
+}
+
+// resolveBucket finds the handler, tier and limit that p names and the
+// key of its bucket. The raw identity is never part of an error.
+func resolveBucket(p bucketParams) (*bucketTarget, error) {
+	handlers.RLock()
+	list := handlers.list
+	handlers.RUnlock()
+	bt := &bucketTarget{}
+	switch {
+	case p.Handler != nil:
+		bt.index = *p.Handler
+	case len(list) != 1:
+		return nil, apiError(http.StatusBadRequest, fmt.Sprintf("handler: required with %d token_bucket handlers; see /token_bucket/handlers", len(list)))
+	}
+	if bt.index < 0 || bt.index >= len(list) {
+		return nil, apiError(http.StatusNotFound, fmt.Sprintf("handler %d: no such token_bucket handler (%d configured); see /token_bucket/handlers", bt.index, len(list)))
+	}
+	h := list[bt.index]
+	bt.h = h
+	if bt.tier = h.deflt; p.Tier != "" {
+		if bt.tier = h.tiers[p.Tier]; bt.tier == nil {
+			return nil, apiError(http.StatusNotFound, fmt.Sprintf("tier %q: handler %d has no such tier", p.Tier, bt.index))
+		}
+	}
+	if p.Dimension == "" {
+		return nil, apiError(http.StatusBadRequest, "dimension: required")
+	}
+	if !slices.ContainsFunc(h.Dimensions, func(d Dimension) bool { return d.Name == p.Dimension }) {
+		return nil, apiError(http.StatusNotFound, fmt.Sprintf("dimension %q: handler %d has no such dimension", p.Dimension, bt.index))
+	}
+	unit := p.Unit
+	switch unit {
+	case "":
+		unit = UnitRequests
+	case UnitRequests, UnitTokens:
+	default:
+		return nil, apiError(http.StatusBadRequest, fmt.Sprintf("unit %q: must be requests or tokens", p.Unit))
+	}
+	for i := range bt.tier.limits {
+		if l := &bt.tier.limits[i]; l.dimension == p.Dimension && unitName(l) == unit {
+			bt.limit = l
+		}
+	}
+	if bt.limit == nil {
+		return nil, apiError(http.StatusNotFound, fmt.Sprintf("tier %q has no %s limit on dimension %q", bt.tier.name, unit, p.Dimension))
+	}
+	bt.rate = configuredRate(h, bt.tier.name, p.Dimension, unit)
+	return bt, bt.setKey(p)
+}
+
+// setKey sets the bucket's key from the raw identity or the hashed id.
+func (bt *bucketTarget) setKey(p bucketParams) error {
+	l, h := bt.limit, bt.h
+	switch {
+	case (p.Identity == "") == (p.ID == ""):
+		return apiError(http.StatusBadRequest, "identity or id: give exactly one")
+	case p.Identity != "":
+		bt.key = h.keyer.Key(l.dimension, h.normalizeIdentity(p.Identity), l.unit)
+		return nil
+	}
+	if len(p.ID) != bucket.IDLength || strings.IndexFunc(p.ID, notBase64URL) >= 0 {
+		return apiError(http.StatusBadRequest, fmt.Sprintf("id %q: must be a hashed identity of %d base64url characters, as in a bucket key", p.ID, bucket.IDLength))
+	}
+	// Any key of the limit has the same layout: swap in the id.
+	k := h.keyer.Key(l.dimension, "", l.unit)
+	end := strings.LastIndexByte(k, '}')
+	bt.key = k[:end-bucket.IDLength] + p.ID + k[end:]
+	return nil
+}
+
+func notBase64URL(r rune) bool {
+	return !(r >= 'A' && r <= 'Z' || r >= 'a' && r <= 'z' || r >= '0' && r <= '9' || r == '-' || r == '_')
+}
+
+func configuredRate(h *Handler, tierName, dimension, unit string) float64 {
+	for _, t := range h.Tiers {
+		if t.Name != tierName {
+			continue
+		}
+		for _, l := range t.Limits {
+			if l.Dimension == dimension && l.unit() == unit {
+				return l.RefillRate
+			}
+		}
+	}
+	return 0
+}
+
+func unitName(l *limit) string {
+	if l.unit == "" {
+		return UnitRequests
+	}
+	return l.unit
+}
+
+// peek reads a bucket as the limiter sees it now, charging nothing: the
+// limiter's own store with cost 0 (a peek: the script on the Redis clock,
+// nothing written), then the key's PTTL.
+func peek(ctx context.Context, c *conn, key string, spec bucket.Spec) (bucketState, error) {
+	d, err := c.store.Take(ctx, []string{key}, []bucket.Take{{Spec: spec}})
+	if err != nil {
+		return bucketState{}, err
+	}
+	ttl, err := c.client.PTTL(ctx, key).Result()
+	if err != nil {
+		return bucketState{}, err
+	}
+	st := bucketState{Tokens: d.Buckets[0].Remaining, MSUntilFull: d.Buckets[0].FullMS}
+	if ttl > 0 {
+		st.TTLMS, st.Exists = ttl.Milliseconds(), true
+	} else if ttl == -1 {
+		st.Exists = true // a key without a TTL: not one the script wrote
+	}
+	return st, nil
+}
+
+func writeAdminJSON(w http.ResponseWriter, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	return writeJSON(w, http.StatusOK, append(b, '\n'))
+}
+
+func apiError(status int, msg string) error {
+	return caddy.APIError{HTTPStatus: status, Err: errors.New(msg), Message: msg}
+}
+
+func methodNotAllowed(r *http.Request, allow string) error {
+	return apiError(http.StatusMethodNotAllowed, fmt.Sprintf("method %s not allowed; use %s", r.Method, allow))
+}
+
+// Interface guards
+var (
+	_ caddy.Provisioner = (*AdminAPI)(nil)
+	_ caddy.AdminRouter = (*AdminAPI)(nil)
+)

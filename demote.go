@@ -1,0 +1,140 @@
+package tokenbucket
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/token-bucket/token_bucket/bucket"
+)
+
+// Demote moves an identity that keeps hammering while limited to a stricter
+// tier for a while, e.g. 20 denials within 1m demote it to tier "penalty"
+// for 10m. Denials are counted, and the demotion made, in the same Redis
+// call that decides the request; the demotion lapses by itself. While an
+// identity is demoted its requests are decided on the penalty tier's limits
+// (the same buckets, the stricter capacity and refill), the 429 body says
+// "demoted":true and {http.token_bucket.demoted} is "true". Every denial must
+// reach Redis to be counted, so the deny cache is off for a handler with a
+// demotion rule. Not with Redis Cluster; not while on_redis_error decides.
+type Demote struct {
+	// Dimension whose identity is demoted (default: the first dimension).
+	Dimension string `json:"dimension,omitempty"`
+	// Denials is how many denials (rate_limit_exceeded) demote, ≥ 1.
+	Denials int64 `json:"denials"`
+	// Within is the window in which they are counted, > 0.
+	Within caddy.Duration `json:"within"`
+	// Tier is the penalty tier; it must exist.
+	Tier string `json:"tier"`
+	// For is how long the demotion lasts, > 0.
+	For caddy.Duration `json:"for"`
+}
+
+// demotion is a Demote compiled for the request path.
+type demotion struct {
+	dim     int
+	name    string
+	penalty *tier
+	rule    bucket.DemoteRule
+}
+
+func (d *Demote) validate(h *Handler) error {
+	if d == nil {
+		return nil
+	}
+	switch {
+	case d.Denials < 1:
+		return fmt.Errorf("demote.denials %d: must be ≥ 1", d.Denials)
+	case d.Within <= 0:
+		return fmt.Errorf("demote.within %v: must be > 0", time.Duration(d.Within))
+	case d.For <= 0:
+		return fmt.Errorf("demote.for %v: must be > 0", time.Duration(d.For))
+	case h.Redis != nil && h.Redis.Cluster:
+		return errors.New("demote: not supported with redis cluster")
+	}
+	found := false
+	for _, t := range h.Tiers {
+		found = found || t.Name == d.Tier
+	}
+	if !found {
+		return fmt.Errorf("demote.tier %q: no tier has that name", d.Tier)
+	}
+	if d.Dimension == "" {
+		if len(h.Dimensions) == 0 {
+			return errors.New("demote: no dimension to demote")
+		}
+		return nil
+	}
+	for _, dim := range h.Dimensions {
+		if dim.Name == d.Dimension {
+			return nil
+		}
+	}
+	return fmt.Errorf("demote.dimension %q: not a declared dimension", d.Dimension)
+}
+
+func (d *Demote) compile(dims []Dimension, tiers map[string]*tier) *demotion {
+	if d == nil {
+		return nil
+	}
+	c := &demotion{penalty: tiers[d.Tier], name: dims[0].Name,
+		rule: bucket.DemoteRule{Denials: d.Denials, Window: time.Duration(d.Within), Span: time.Duration(d.For)}}
+	for i, dim := range dims {
+		if dim.Name == d.Dimension {
+			c.dim, c.name = i, dim.Name
+		}
+	}
+	return c
+}
+
+// serveDemote decides a request under the demotion rule, in one round
+// trip: on the penalty tier's limits while the identity id is demoted, else
+// on its own tier's, counting a denial.
+func (h *Handler) serveDemote(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler,
+	repl *caddy.Replacer, t *tier, req *request, id string) error {
+	preq, err := h.buildRequest(r, repl, h.demote.penalty)
+	if err != nil {
+		return h.invalidCost(w, repl)
+	}
+	store, ok := h.conn.store.(bucket.Redis)
+	if !ok {
+		return h.decidedOrDegraded(w, r, next, repl, t, req)
+	}
+	base := h.keyer.Key(h.demote.name, id, "")
+	var state bucket.Demotion
+	d, err := h.conn.breaker.Execute(func() (bucket.Decision, error) {
+		ctx, cancel := contextWithTimeout(r, h.conn.timeout)
+		defer cancel()
+		defer observeRedisCall(time.Now())
+		d, s, _, err := store.TakeDemote(ctx, base+":demoted", base+":denials", h.demote.rule,
+			req.keys, req.takes, preq.keys, preq.takes)
+		state = s
+		return d, err
+	})
+	if err != nil {
+		return h.degraded(w, r, next, repl, t, req, err)
+	}
+	if state == bucket.Demoted {
+		t, req = h.demote.penalty, preq
+		repl.Set("http.token_bucket.tier", t.name)
+	}
+	if state != bucket.NotDemoted {
+		repl.Set("http.token_bucket.demoted", "true")
+		req.demoted = true
+	}
+	return h.decided(w, r, next, repl, t, req, &d)
+}
+
+// decidedOrDegraded decides without the demotion rule.
+func (h *Handler) decidedOrDegraded(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler,
+	repl *caddy.Replacer, t *tier, req *request) error {
+	d, err := h.conn.take(r.Context(), req.keys, req.takes)
+	if err != nil {
+		return h.degraded(w, r, next, repl, t, req, err)
+	}
+	return h.decided(w, r, next, repl, t, req, &d)
+}
