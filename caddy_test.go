@@ -1,0 +1,1120 @@
+package tokenbucket
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddytest"
+
+	"github.com/token-bucket/token_bucket/bucket"
+	"github.com/token-bucket/token_bucket/lua"
+)
+
+// ---------------------------------------------------------------------------
+// A. Adapt tests: Caddyfile in, exact JSON out.
+
+// assertAdaptHandler adapts a site ":8080" whose only directive is block and
+// checks that the config is exactly one route with handler, written in any
+// layout (keys in the order Caddy prints them: sorted).
+func assertAdaptHandler(t *testing.T, block, handler string) {
+	t.Helper()
+	caddytest.AssertAdapt(t, ":8080 {\n"+block+"\n}\n", "caddyfile", normalizeJSON(t, `{
+		"apps": {"http": {"servers": {"srv0": {
+			"listen": [":8080"],
+			"routes": [{"handle": [`+handler+`]}]
+		}}}}
+	}`))
+}
+
+// oneTier is the dimension and tier that adapt tests of other options share.
+const (
+	oneTierCaddyfile = `
+		dimension user {http.auth.user.id}
+		tier free {
+			user 10 10/1m
+		}`
+	oneTierDimensionsJSON = `"dimensions": [{"identity": "{http.auth.user.id}", "name": "user"}]`
+	oneTierTiersJSON      = `"tiers": [{"limits": [{"capacity": 10, "dimension": "user", "refill_rate": 0.16666666666666666}], "name": "free"}]`
+)
+
+func TestAdaptRedisURL(t *testing.T) {
+	assertAdaptHandler(t, `
+	token_bucket {
+		redis redis://limiter:s3cret@10.0.0.5:6380/2`+oneTierCaddyfile+`
+	}`, `{
+		`+oneTierDimensionsJSON+`,
+		"handler": "token_bucket",
+		"redis": {"url": "redis://limiter:s3cret@10.0.0.5:6380/2"},
+		`+oneTierTiersJSON+`
+	}`)
+}
+
+func TestAdaptRedisBlock(t *testing.T) {
+	assertAdaptHandler(t, `
+	token_bucket {
+		redis {
+			address   10.0.0.5:6379
+			username  limiter
+			password  {env.REDIS_PASSWORD}
+			db        3
+			tls
+			timeout   150ms
+			pool_size 32
+		}`+oneTierCaddyfile+`
+	}`, `{
+		`+oneTierDimensionsJSON+`,
+		"handler": "token_bucket",
+		"redis": {
+			"address": ["10.0.0.5:6379"],
+			"db": 3,
+			"password": "{env.REDIS_PASSWORD}",
+			"pool_size": 32,
+			"timeout": 150000000,
+			"tls": true,
+			"username": "limiter"
+		},
+		`+oneTierTiersJSON+`
+	}`)
+}
+
+func TestAdaptRedisURLWithBlock(t *testing.T) {
+	assertAdaptHandler(t, `
+	token_bucket {
+		redis rediss://cache.internal:6380 {
+			timeout 2s
+			pool_size 64
+		}`+oneTierCaddyfile+`
+	}`, `{
+		`+oneTierDimensionsJSON+`,
+		"handler": "token_bucket",
+		"redis": {"pool_size": 64, "timeout": 2000000000, "url": "rediss://cache.internal:6380"},
+		`+oneTierTiersJSON+`
+	}`)
+}
+
+func TestAdaptRedisSentinel(t *testing.T) {
+	assertAdaptHandler(t, `
+	token_bucket {
+		redis {
+			address 10.0.0.1:26379 10.0.0.2:26379 10.0.0.3:26379
+			sentinel mymaster
+			sentinel_password {env.SENTINEL_PASSWORD}
+			tls_ca /etc/ssl/redis-ca.pem
+			tls_server_name redis.internal
+			breaker_failures 3
+			breaker_cooldown 5s
+		}`+oneTierCaddyfile+`
+	}`, `{
+		`+oneTierDimensionsJSON+`,
+		"handler": "token_bucket",
+		"redis": {
+			"address": ["10.0.0.1:26379", "10.0.0.2:26379", "10.0.0.3:26379"],
+			"breaker_cooldown": 5000000000,
+			"breaker_failures": 3,
+			"sentinel": "mymaster",
+			"sentinel_password": "{env.SENTINEL_PASSWORD}",
+			"tls_ca": "/etc/ssl/redis-ca.pem",
+			"tls_server_name": "redis.internal"
+		},
+		`+oneTierTiersJSON+`
+	}`)
+}
+
+func TestAdaptRedisCluster(t *testing.T) {
+	assertAdaptHandler(t, `
+	token_bucket {
+		redis {
+			address 10.0.1.1:6379 10.0.1.2:6379
+			cluster
+		}`+oneTierCaddyfile+`
+	}`, `{
+		`+oneTierDimensionsJSON+`,
+		"handler": "token_bucket",
+		"redis": {"address": ["10.0.1.1:6379", "10.0.1.2:6379"], "cluster": true},
+		`+oneTierTiersJSON+`
+	}`)
+}
+
+// TestAdaptAllOptions covers every subdirective that is not redis or tier:
+// key_prefix, key_secret, dimension (with the {client_ip} shorthand
+// expanded), ipv4_prefix, ipv6_prefix, tier_from, default_tier, an integer
+// cost, on_redis_error, on_deny and local_buckets.
+func TestAdaptAllOptions(t *testing.T) {
+	assertAdaptHandler(t, `
+	token_bucket {
+		redis redis://127.0.0.1:6379
+		key_prefix gw:
+		key_secret {env.TB_KEY_SECRET}
+		dimension user {http.auth.user.id}
+		dimension api_key {http.request.header.X-Api-Key}
+		dimension ip {client_ip}
+		ipv4_prefix 24
+		ipv6_prefix 48
+		tier_from {tier}
+		default_tier free
+		tier free {
+			user 10 10/1m
+		}
+		tier standard {
+			api_key 60 1/s
+			ip 120 2/s
+		}
+		cost 250
+		on_redis_error deny
+		on_deny error
+		local_buckets 10000
+	}`, `{
+		"cost": "250",
+		"default_tier": "free",
+		"dimensions": [
+			{"identity": "{http.auth.user.id}", "name": "user"},
+			{"identity": "{http.request.header.X-Api-Key}", "name": "api_key"},
+			{"identity": "{http.vars.client_ip}", "name": "ip"}
+		],
+		"handler": "token_bucket",
+		"ipv4_prefix": 24,
+		"ipv6_prefix": 48,
+		"key_prefix": "gw:",
+		"key_secret": "{env.TB_KEY_SECRET}",
+		"local_buckets": 10000,
+		"on_deny": "error",
+		"on_redis_error": "deny",
+		"redis": {"url": "redis://127.0.0.1:6379"},
+		"tier_from": "{tier}",
+		"tiers": [
+			{"limits": [{"capacity": 10, "dimension": "user", "refill_rate": 0.16666666666666666}], "name": "free"},
+			{"limits": [
+				{"capacity": 60, "dimension": "api_key", "refill_rate": 1},
+				{"capacity": 120, "dimension": "ip", "refill_rate": 2}
+			], "name": "standard"}
+		]
+	}`)
+}
+
+// TestAdaptRefillForms checks each refill form's tokens per second and the
+// units: "requests" is the default and is omitted, "tokens" is kept.
+func TestAdaptRefillForms(t *testing.T) {
+	assertAdaptHandler(t, `
+	token_bucket {
+		dimension user {http.auth.user.id}
+		tier a {
+			user 10 10/1m
+			user 1000 25/s tokens
+		}
+		tier b {
+			user 1 0.5/s requests
+			user 600 600/1h tokens
+		}
+		tier c {
+			user 4 3
+			user 5 5/m tokens
+		}
+		tier d {
+			user 2 1/h
+			user 86400 1/d tokens
+		}
+	}`, `{
+		"dimensions": [{"identity": "{http.auth.user.id}", "name": "user"}],
+		"handler": "token_bucket",
+		"tiers": [
+			{"limits": [
+				{"capacity": 10, "dimension": "user", "refill_rate": 0.16666666666666666},
+				{"capacity": 1000, "dimension": "user", "refill_rate": 25, "unit": "tokens"}
+			], "name": "a"},
+			{"limits": [
+				{"capacity": 1, "dimension": "user", "refill_rate": 0.5},
+				{"capacity": 600, "dimension": "user", "refill_rate": 0.16666666666666666, "unit": "tokens"}
+			], "name": "b"},
+			{"limits": [
+				{"capacity": 4, "dimension": "user", "refill_rate": 3},
+				{"capacity": 5, "dimension": "user", "refill_rate": 0.08333333333333333, "unit": "tokens"}
+			], "name": "c"},
+			{"limits": [
+				{"capacity": 2, "dimension": "user", "refill_rate": 0.0002777777777777778},
+				{"capacity": 86400, "dimension": "user", "refill_rate": 0.000011574074074074073, "unit": "tokens"}
+			], "name": "d"}
+		]
+	}`)
+}
+
+// TestAdaptCostPlaceholder checks that a cost placeholder is kept for
+// per-request evaluation, with the {header.*} shorthand expanded.
+func TestAdaptCostPlaceholder(t *testing.T) {
+	assertAdaptHandler(t, `
+	token_bucket {`+oneTierCaddyfile+`
+		cost {header.X-Estimated-Tokens}
+	}`, `{
+		"cost": "{http.request.header.X-Estimated-Tokens}",
+		`+oneTierDimensionsJSON+`,
+		"handler": "token_bucket",
+		`+oneTierTiersJSON+`
+	}`)
+}
+
+// TestAdaptOrderAfterForwardAuth checks the directive order: written before
+// forward_auth, token_bucket still runs after it (so the identity and tier
+// placeholders that authentication sets are there) and before respond.
+func TestAdaptOrderAfterForwardAuth(t *testing.T) {
+	caddytest.AssertAdapt(t, `:8080 {
+	respond "ok"
+	token_bucket {`+oneTierCaddyfile+`
+	}
+	forward_auth 127.0.0.1:9000 {
+		uri /auth
+	}
+}
+`, "caddyfile", normalizeJSON(t, `{
+		"apps": {"http": {"servers": {"srv0": {
+			"listen": [":8080"],
+			"routes": [{"handle": [
+				{
+					"handle_response": [{
+						"match": {"status_code": [2]},
+						"routes": [{"handle": [{"handler": "vars"}]}]
+					}],
+					"handler": "reverse_proxy",
+					"headers": {"request": {"set": {
+						"X-Forwarded-Method": ["{http.request.method}"],
+						"X-Forwarded-Uri": ["{http.request.uri}"]
+					}}},
+					"rewrite": {"method": "GET", "uri": "/auth"},
+					"upstreams": [{"dial": "127.0.0.1:9000"}]
+				},
+				{
+					`+oneTierDimensionsJSON+`,
+					"handler": "token_bucket",
+					`+oneTierTiersJSON+`
+				},
+				{"body": "ok", "handler": "static_response"}
+			]}]
+		}}}}
+	}`))
+}
+
+// ---------------------------------------------------------------------------
+// B. Configuration errors, each naming the field and the bad value.
+
+// limitCase is a handler with one dimension "user" and a tier "free" whose
+// limit lines are limits.
+func limitCase(limits string) string {
+	return "dimension user {http.auth.user.id}\ntier free {\n" + limits + "\n}"
+}
+
+var caddyfileErrorCases = []struct {
+	name  string
+	block string // the body of token_bucket { }
+	want  string
+}{
+	{"capacity zero", limitCase("user 0 1/s"), `invalid capacity "0" for dimension "user": must be a whole number from 1 to 9007199254740991`},
+	{"capacity negative", limitCase("user -5 1/s"), `invalid capacity "-5" for dimension "user"`},
+	{"capacity fraction", limitCase("user 1.5 1/s"), `invalid capacity "1.5" for dimension "user"`},
+	{"capacity NaN", limitCase("user NaN 1/s"), `invalid capacity "NaN" for dimension "user"`},
+	{"capacity above 2^53-1", limitCase("user 9007199254740992 1/s"), `invalid capacity "9007199254740992" for dimension "user"`},
+	{"refill zero", limitCase("user 10 0"), `invalid refill "0" for dimension "user": refill amount "0" must be > 0`},
+	{"refill negative", limitCase("user 10 -1/s"), `invalid refill "-1/s" for dimension "user": refill amount "-1" must be > 0`},
+	{"refill NaN", limitCase("user 10 NaN"), `invalid refill "NaN" for dimension "user": refill amount "NaN" is not a number`},
+	{"refill Inf", limitCase("user 10 Inf"), `invalid refill "Inf" for dimension "user": refill amount "Inf" is not a number`},
+	{"refill missing period", limitCase("user 10 10/"), `invalid refill "10/" for dimension "user": refill period "" is not a duration`},
+	{"refill bad period", limitCase("user 10 10/xyz"), `invalid refill "10/xyz" for dimension "user": refill period "xyz" is not a duration`},
+	{"refill zero period", limitCase("user 10 10/0s"), `invalid refill "10/0s" for dimension "user": refill period "0s" must be > 0`},
+	{"refill missing amount", limitCase("user 10 /s"), `invalid refill "/s" for dimension "user": missing refill amount`},
+	{"capacity too large to be exact at this refill", limitCase("user 9007199254740991 1/d"),
+		`tiers[0].limits[0]: tier "free", dimension "user": capacity 9007199254740991 with refill rate 1/86400s cannot be computed exactly`},
+	{"bad unit", limitCase("user 10 1/s bytes"), `invalid unit "bytes" for dimension "user": must be requests or tokens`},
+	{"undeclared dimension", limitCase("org 10 1/s"), `tiers[0].limits[0].dimension "org": tier "free" limits an undeclared dimension`},
+	{"duplicate requests limit", limitCase("user 10 1/s\nuser 20 1/s requests"), `tiers[0].limits[1]: tier "free" has two requests limits on dimension "user"`},
+	{"duplicate tokens limit", limitCase("user 10 1/s tokens\nuser 20 1/s tokens"), `tiers[0].limits[1]: tier "free" has two tokens limits on dimension "user"`},
+	{"default_tier names no tier", limitCase("user 10 1/s") + "\ndefault_tier gold", `default_tier "gold": no tier has that name`},
+	{"no tiers", "dimension user {http.auth.user.id}", `tiers: at least one tier is required`},
+	{"tier without limits", "dimension user {http.auth.user.id}\ntier free {\n}", `tiers[0].limits: tier "free" has no limits`},
+	{"duplicate tier", limitCase("user 10 1/s") + "\ntier free {\nuser 5 1/s\n}", `tiers[1].name "free": duplicate tier`},
+	{"duplicate dimension", "dimension user {http.auth.user.id}\n" + limitCase("user 10 1/s"), `dimensions[1].name "user": duplicate dimension`},
+	{"bad dimension name", "dimension user.id {http.auth.user.id}\ntier free {\nuser.id 10 1/s\n}", `dimensions[0].name "user.id": must be 1 to 64 letters, digits, '_' or '-'`},
+	{"bad tier name", "dimension user {http.auth.user.id}\ntier fr/ee {\nuser 10 1/s\n}", `tiers[0].name "fr/ee": must be 1 to 64 letters, digits, '_' or '-'`},
+	{"duplicate subdirective", "key_prefix a:\nkey_prefix b:\n" + limitCase("user 10 1/s"), `duplicate subdirective "key_prefix"`},
+	{"unknown subdirective", limitCase("user 10 1/s") + "\nburst 5", `unknown subdirective "burst"`},
+	{"unknown redis option", "redis {\nhostname cache\n}\n" + limitCase("user 10 1/s"), `unknown redis option "hostname"`},
+	{"duplicate redis option", "redis {\ntimeout 1s\ntimeout 2s\n}\n" + limitCase("user 10 1/s"), `duplicate redis option "timeout"`},
+	{"dimension with one argument", "dimension user\n" + limitCase("user 10 1/s"), `dimension ["user"]: wrong argument count, want <name> <placeholder template>`},
+	{"dimension with three arguments", "dimension user {a} {b}\n" + limitCase("user 10 1/s"), `dimension ["user" "{a}" "{b}"]: wrong argument count`},
+	{"limit with one argument", limitCase("user 5"), `limit user ["5"]: wrong argument count, want <capacity> <refill> [requests|tokens]`},
+	{"limit with four arguments", limitCase("user 5 1/s tokens extra"), `limit user ["5" "1/s" "tokens" "extra"]: wrong argument count`},
+	{"key_prefix without argument", "key_prefix\n" + limitCase("user 10 1/s"), `key_prefix []: wrong argument count, want one value`},
+	{"key_prefix with two arguments", "key_prefix a: b:\n" + limitCase("user 10 1/s"), `key_prefix ["a:" "b:"]: wrong argument count`},
+	{"key_prefix with a brace", `key_prefix "rl:{x}:"` + "\n" + limitCase("user 10 1/s"), `key_prefix "rl:{x}:": must not contain '{' or '}'`},
+	{"ipv4_prefix zero", "ipv4_prefix 0\n" + limitCase("user 10 1/s"), `invalid ipv4_prefix "0": must be a whole number > 0`},
+	{"ipv4_prefix too long", "ipv4_prefix 33\n" + limitCase("user 10 1/s"), `ipv4_prefix 33: must be from 1 to 32`},
+	{"ipv6_prefix too long", "ipv6_prefix 129\n" + limitCase("user 10 1/s"), `ipv6_prefix 129: must be from 1 to 128`},
+	{"cost negative", "cost -3\n" + limitCase("user 10 1/s tokens"), `cost "-3": must be an integer from 0 to 9007199254740991`},
+	{"cost fraction", "cost 1.5\n" + limitCase("user 10 1/s tokens"), `cost "1.5": must be an integer from 0 to 9007199254740991`},
+	{"on_redis_error invalid", "on_redis_error retry\n" + limitCase("user 10 1/s"), `on_redis_error "retry": must be local, allow or deny`},
+	{"on_deny invalid", "on_deny drop\n" + limitCase("user 10 1/s"), `on_deny "drop": must be respond or error`},
+	{"local_buckets zero", "local_buckets 0\n" + limitCase("user 10 1/s"), `invalid local_buckets "0": must be a whole number > 0`},
+	{"redis timeout not a duration", "redis {\ntimeout soon\n}\n" + limitCase("user 10 1/s"), `invalid redis timeout "soon": must be a duration > 0`},
+	{"redis timeout zero", "redis {\ntimeout 0s\n}\n" + limitCase("user 10 1/s"), `invalid redis timeout "0s": must be a duration > 0`},
+	{"redis db negative", "redis {\ndb -1\n}\n" + limitCase("user 10 1/s"), `invalid redis db "-1": must be a whole number`},
+	{"redis url and address", "redis redis://127.0.0.1:6379 {\naddress 127.0.0.1:6380\n}\n" + limitCase("user 10 1/s"),
+		`redis: url "redis://127.0.0.1:6379" and address ["127.0.0.1:6380"]: set one, not both`},
+	{"redis with two urls", "redis redis://a:1 redis://b:2\n" + limitCase("user 10 1/s"), `redis: wrong argument count 2, want at most one URL`},
+	{"redis password with two arguments", "redis {\npassword hunter2 extra\n}\n" + limitCase("user 10 1/s"), `password: wrong argument count 2, want one value`},
+	{"redis tls with an argument", "redis {\ntls yes\n}\n" + limitCase("user 10 1/s"), `tls ["yes"]: wrong argument count, want no arguments`},
+	{"redis address without argument", "redis {\naddress\n}\n" + limitCase("user 10 1/s"), `address []: wrong argument count`},
+	{"redis pool_size zero", "redis {\npool_size 0\n}\n" + limitCase("user 10 1/s"), `invalid redis pool_size "0": must be a whole number`},
+	{"redis two addresses without cluster", "redis {\naddress 127.0.0.1:1 127.0.0.1:2\n}\n" + limitCase("user 10 1/s"),
+		`redis.address ["127.0.0.1:1" "127.0.0.1:2"]: one address for a single server (or set cluster or sentinel)`},
+	{"redis cluster and sentinel", "redis {\naddress 127.0.0.1:1\ncluster\nsentinel mymaster\n}\n" + limitCase("user 10 1/s"),
+		`redis: cluster and sentinel "mymaster": choose one`},
+	{"redis breaker_cooldown zero", "redis {\nbreaker_cooldown 0s\n}\n" + limitCase("user 10 1/s"), `invalid redis breaker_cooldown "0s": must be a duration > 0`},
+	{"local_share zero", "local_share 0\n" + limitCase("user 10 1/s"), `invalid local_share "0": must be a fraction > 0 and ≤ 1`},
+	{"local_share above one", "local_share 1.5\n" + limitCase("user 10 1/s"), `invalid local_share "1.5": must be a fraction > 0 and ≤ 1`},
+	{"tier without name", "dimension user {http.auth.user.id}\ntier {\nuser 10 1/s\n}", `tier []: wrong argument count, want one value`},
+}
+
+// TestCaddyfileErrors checks each bad Caddyfile twice: the adapter (as
+// `caddy adapt` runs it) and a load through the admin API's /load must both
+// fail with an error that names the field and the value.
+func TestCaddyfileErrors(t *testing.T) {
+	ensureCaddy(t)
+	const port = 9 // never listened on: every load fails first
+	for _, tc := range caddyfileErrorCases {
+		t.Run(tc.name, func(t *testing.T) {
+			config := globalOptions(port) + fmt.Sprintf(":%d {\n\ttoken_bucket {\n%s\n\t}\n}\n", port, tc.block)
+			_, err := adaptCaddyfile(config)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("adapt error = %v\nwant it to contain %s", err, tc.want)
+			}
+			if err != nil && strings.Contains(err.Error(), "hunter2") {
+				t.Errorf("adapt error echoes a password: %v", err)
+			}
+			err = postLoad(config, "caddyfile")
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("/load error = %v\nwant it to contain %s", err, tc.want)
+			}
+		})
+	}
+}
+
+// TestCaddyfileErrorWithAssertLoadError runs one case through caddytest's
+// own load-error assertion, the path Caddy's integration tests use. It
+// matches the raw JSON answer of /load, hence a message without quotes.
+func TestCaddyfileErrorWithAssertLoadError(t *testing.T) {
+	ensureCaddy(t)
+	caddytest.AssertLoadError(t, globalOptions(9)+`:9 {
+	token_bucket {
+		dimension user {http.auth.user.id}
+	}
+}
+`, "caddyfile", `token_bucket: tiers: at least one tier is required`)
+}
+
+// validHandlerJSON is a handler that loads; cases replace parts of it.
+const validHandlerJSON = `{
+	"handler": "token_bucket",
+	"redis": {"address": ["127.0.0.1:1"]},
+	"dimensions": [{"name": "user", "identity": "{http.auth.user.id}"}],
+	"tiers": [{"name": "free", "limits": [{"dimension": "user", "capacity": 10, "refill_rate": 1}]}]
+}`
+
+// TestJSONConfigErrors checks that a JSON config (which skips the Caddyfile
+// parser) is rejected at load time, by Provision's validation, with the JSON
+// field names and the value.
+func TestJSONConfigErrors(t *testing.T) {
+	ensureCaddy(t)
+	limit := func(l string) string {
+		return strings.Replace(validHandlerJSON, `{"dimension": "user", "capacity": 10, "refill_rate": 1}`, l, 1)
+	}
+	field := func(f string) string {
+		return strings.Replace(validHandlerJSON, `"handler": "token_bucket",`, `"handler": "token_bucket", `+f+`,`, 1)
+	}
+	for _, tc := range []struct {
+		name, handler, want string
+	}{
+		{"capacity zero", limit(`{"dimension": "user", "capacity": 0, "refill_rate": 1}`),
+			`tiers[0].limits[0]: tier "free", dimension "user": capacity 0: must be an integer from 1 to 9007199254740991`},
+		{"capacity negative", limit(`{"dimension": "user", "capacity": -1, "refill_rate": 1}`), `capacity -1: must be an integer from 1`},
+		{"capacity missing", limit(`{"dimension": "user", "refill_rate": 1}`), `capacity 0: must be an integer from 1`},
+		{"capacity fraction", limit(`{"dimension": "user", "capacity": 1.5, "refill_rate": 1}`), `cannot unmarshal number 1.5 into Go struct field Limit.tiers.limits.capacity of type int64`},
+		{"refill_rate zero", limit(`{"dimension": "user", "capacity": 10, "refill_rate": 0}`),
+			`tiers[0].limits[0]: tier "free", dimension "user": refill_rate 0: must be a finite number > 0`},
+		{"refill_rate missing", limit(`{"dimension": "user", "capacity": 10}`), `refill_rate 0: must be a finite number > 0`},
+		{"refill_rate negative", limit(`{"dimension": "user", "capacity": 10, "refill_rate": -0.5}`), `refill_rate -0.5: must be a finite number > 0`},
+		{"refill_rate too fine", limit(`{"dimension": "user", "capacity": 10, "refill_rate": 1e-300}`), `refill_rate 1e-300: refill rate`},
+		{"unit unknown", limit(`{"dimension": "user", "capacity": 10, "refill_rate": 1, "unit": "bytes"}`), `unit "bytes": must be requests or tokens`},
+		{"undeclared dimension", limit(`{"dimension": "org", "capacity": 10, "refill_rate": 1}`), `tiers[0].limits[0].dimension "org": tier "free" limits an undeclared dimension`},
+		{"unknown field", limit(`{"dimension": "user", "capacity": 10, "refill_rate": 1, "burst": 5}`), `unknown field "burst"`},
+		{"no tiers", `{"handler": "token_bucket", "dimensions": [{"name": "user", "identity": "{http.auth.user.id}"}]}`, `tiers: at least one tier is required`},
+		{"empty tiers", strings.Replace(validHandlerJSON, `[{"name": "free", "limits": [{"dimension": "user", "capacity": 10, "refill_rate": 1}]}]`, `[]`, 1), `tiers: at least one tier is required`},
+		{"default_tier unknown", field(`"default_tier": "gold"`), `default_tier "gold": no tier has that name`},
+		{"key_prefix brace", field(`"key_prefix": "rl:{x}"`), `key_prefix "rl:{x}": must not contain '{' or '}'`},
+		{"ipv4_prefix negative", field(`"ipv4_prefix": -1`), `ipv4_prefix -1: must be from 1 to 32`},
+		{"ipv6_prefix too long", field(`"ipv6_prefix": 129`), `ipv6_prefix 129: must be from 1 to 128`},
+		{"cost invalid", field(`"cost": "1e3"`), `cost "1e3": must be an integer from 0 to 9007199254740991`},
+		{"on_redis_error invalid", field(`"on_redis_error": "retry"`), `on_redis_error "retry": must be local, allow or deny`},
+		{"on_deny invalid", field(`"on_deny": "drop"`), `on_deny "drop": must be respond or error`},
+		{"local_buckets negative", field(`"local_buckets": -1`), `local_buckets -1: must be > 0`},
+		{"redis url and address", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"url": "redis://127.0.0.1:1", "address": ["127.0.0.1:2"]`, 1),
+			`redis: url "redis://127.0.0.1:1" and address ["127.0.0.1:2"]: set one, not both`},
+		{"redis two addresses", strings.Replace(validHandlerJSON, `["127.0.0.1:1"]`, `["127.0.0.1:1", "127.0.0.1:2"]`, 1),
+			`redis.address ["127.0.0.1:1" "127.0.0.1:2"]: one address for a single server (or set cluster or sentinel)`},
+		{"redis cluster without address", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"cluster": true`, 1),
+			`redis.address: cluster and sentinel need at least one address`},
+		{"redis cluster db", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"address": ["127.0.0.1:1"], "cluster": true, "db": 2`, 1),
+			`redis.db 2: Redis Cluster has only db 0`},
+		{"local_share above one", field(`"local_share": 1.5`), `local_share 1.5: must be a fraction > 0 and ≤ 1`},
+		{"redis db negative", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"address": ["127.0.0.1:1"], "db": -1`, 1), `redis.db -1: must be ≥ 0`},
+		{"redis timeout negative", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"address": ["127.0.0.1:1"], "timeout": "-1s"`, 1), `redis.timeout -1s: must be > 0`},
+		{"redis url scheme", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"url": "http://127.0.0.1:1"`, 1), `redis.url: `},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			config := fmt.Sprintf(`{
+				"admin": {"listen": "localhost:%d", "config": {"persist": false}},
+				"apps": {"http": {"servers": {"srv0": {
+					"listen": ["127.0.0.1:9"],
+					"routes": [{"handle": [%s]}]
+				}}}}
+			}`, adminPort, tc.handler)
+			err := postLoad(config, "json")
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("/load error = %v\nwant it to contain %s", err, tc.want)
+			}
+		})
+	}
+}
+
+// ---------------------------------------------------------------------------
+// C. End to end: a real Caddy in front of a real Redis.
+
+// userLimit is a token_bucket on the X-User header with the given tier
+// limits and extra subdirectives, against the gateway's Redis with a timeout
+// long enough that a slow test machine never falls back to on_redis_error.
+func userLimit(limits, extra string) string {
+	return `
+	token_bucket {
+		redis redis://REDIS_ADDR {
+			timeout 30s
+		}
+		dimension user {http.request.header.X-User}
+		tier free {
+			` + limits + `
+		}
+		` + extra + `
+	}`
+}
+
+// TestBurstThenRetryAfter sends a burst at a bucket of 5 refilled at 1 per
+// hour: exactly 5 × 200 with the remaining count going 4..0, then 429s with
+// the exact Retry-After and body. With an empty bucket refilling 1 token per
+// 3600 s, the wait is 3600 s less the few ms the test took.
+func TestBurstThenRetryAfter(t *testing.T) {
+	g := startGateway(t, userLimit("user 5 1/1h", "")+"\nrespond \"ok\"")
+	start := time.Now()
+	for k := int64(1); k <= 5; k++ {
+		r := g.get("X-User", "alice")
+		what := fmt.Sprintf("request %d", k)
+		if r.status != http.StatusOK || r.body != "ok" {
+			t.Fatalf("%s: %d %q, want 200 ok", what, r.status, r.body)
+		}
+		// After k requests the bucket is k tokens short: full again in k hours.
+		wantHeaders(t, what, r.header,
+			"RateLimit-Policy", `"user";q=5;w=18000`,
+			"RateLimit", fmt.Sprintf(`"user";r=%d;t=%d`, 5-k, 3600*k),
+			"X-RateLimit-Limit", "5",
+			"X-RateLimit-Remaining", strconv.FormatInt(5-k, 10),
+			"X-RateLimit-Reset", strconv.FormatInt(3600*k, 10),
+			"Retry-After", "",
+			"Retry-After-Ms", "")
+	}
+	key := bucket.NewKeyer("rl:", "").Key("user", "alice", "")
+	stored := g.value(key)
+	for k := 6; k <= 8; k++ {
+		r := g.get("X-User", "alice")
+		elapsedMS := time.Since(start).Milliseconds() + 1
+		what := fmt.Sprintf("request %d", k)
+		if r.status != http.StatusTooManyRequests {
+			t.Fatalf("%s: status %d, want 429", what, r.status)
+		}
+		ms, err := strconv.ParseInt(r.header.Get("Retry-After-Ms"), 10, 64)
+		if err != nil || ms > 3_600_000 || ms < 3_600_000-elapsedMS {
+			t.Errorf("%s: Retry-After-Ms %q, want 3600000 less at most the %d ms elapsed", what, r.header.Get("Retry-After-Ms"), elapsedMS)
+		}
+		wantHeaders(t, what, r.header,
+			"Retry-After", "3600",
+			"Cache-Control", "no-store",
+			"Content-Type", "application/json",
+			"RateLimit-Policy", `"user";q=5;w=18000`,
+			"RateLimit", `"user";r=0;t=3600`,
+			"X-RateLimit-Limit", "5",
+			"X-RateLimit-Remaining", "0",
+			"X-RateLimit-Reset", "3600")
+		want := fmt.Sprintf(`{"error":"rate_limit_exceeded","retry_after":3600,"retry_after_ms":%d,"tier":"free","dimension":"user"}`+"\n", ms)
+		if r.body != want {
+			t.Errorf("%s: body %q, want %q", what, r.body, want)
+		}
+	}
+	if got := g.value(key); got != stored {
+		t.Errorf("denials wrote the bucket: %q, then %q", stored, got)
+	}
+	// Another identity has its own bucket.
+	if r := g.get("X-User", "bob"); r.status != http.StatusOK || r.header.Get("X-RateLimit-Remaining") != "4" {
+		t.Errorf("bob: %d, remaining %q; want 200, 4", r.status, r.header.Get("X-RateLimit-Remaining"))
+	}
+}
+
+// TestConcurrentRequestsSpendExactlyCapacity sends 200 requests at once for
+// one identity at a bucket of 50 that refills 1 token a day: the script's
+// atomicity lets exactly 50 through. on_redis_error deny makes a Redis
+// failure show as 503 rather than as a local allow.
+func TestConcurrentRequestsSpendExactlyCapacity(t *testing.T) {
+	g := startGateway(t, userLimit("user 50 1/1d", "on_redis_error deny")+"\nrespond \"ok\"")
+	const n = 200
+	var (
+		wg     sync.WaitGroup
+		mu     sync.Mutex
+		counts = map[int]int{}
+		errs   []error
+		ready  = make(chan struct{})
+	)
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-ready
+			r, err := g.tryGet("X-User", "agent-007")
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				errs = append(errs, err)
+				return
+			}
+			counts[r.status]++
+		}()
+	}
+	close(ready)
+	wg.Wait()
+	if len(errs) > 0 {
+		t.Fatalf("%d requests failed, first: %v", len(errs), errs[0])
+	}
+	if counts[200] != 50 || counts[429] != 150 || len(counts) != 2 {
+		t.Errorf("statuses %v, want exactly 50 × 200 and 150 × 429", counts)
+	}
+}
+
+// TestDeniedRequestChargesNoBucket: a request that its user bucket denies
+// leaves its IP bucket exactly as it was (all-or-nothing).
+func TestDeniedRequestChargesNoBucket(t *testing.T) {
+	g := startGateway(t, `
+	token_bucket {
+		redis redis://REDIS_ADDR {
+			timeout 30s
+		}
+		dimension user {http.request.header.X-User}
+		dimension ip {client_ip}
+		tier free {
+			user 2 1/1h
+			ip 100 1/1h
+		}
+	}
+	respond "ok"`)
+	for i := 0; i < 2; i++ {
+		if r := g.get("X-User", "alice"); r.status != http.StatusOK {
+			t.Fatalf("request %d: status %d", i+1, r.status)
+		}
+	}
+	// {client_ip} is 127.0.0.1, masked to the default ipv4_prefix 32.
+	ipKey := bucket.NewKeyer("rl:", "").Key("ip", "127.0.0.1/32", "")
+	before := g.value(ipKey)
+	// 1 token an hour is 3.6e9 units per token at 1 unit per microsecond.
+	if st, err := bucket.DecodeState(before); err != nil || st.Scale != 3_600_000_000 || st.Units/st.Scale != 98 {
+		t.Fatalf("ip bucket %+v (%v): want 98 whole tokens at scale 3600000000", st, err)
+	}
+
+	r := g.get("X-User", "alice")
+	if r.status != http.StatusTooManyRequests || !strings.Contains(r.body, `"dimension":"user"`) {
+		t.Fatalf("third request: %d %s, want 429 by user", r.status, r.body)
+	}
+	wantHeaders(t, "denial", r.header,
+		"RateLimit-Policy", `"user";q=2;w=7200, "ip";q=100;w=360000`,
+		"RateLimit", `"user";r=0;t=3600, "ip";r=98;t=7200`,
+		"X-RateLimit-Limit", "2",
+		"X-RateLimit-Remaining", "0",
+		"X-RateLimit-Reset", "3600")
+	if after := g.value(ipKey); after != before {
+		t.Errorf("denied request charged the ip bucket: %q, then %q", before, after)
+	}
+}
+
+// TestCostAboveCapacity: a cost above a tokens limit's capacity can never
+// succeed: 429 cost_exceeds_capacity without Retry-After, nothing charged.
+func TestCostAboveCapacity(t *testing.T) {
+	g := startGateway(t, userLimit("user 100 1/1h\n\t\t\tuser 10 1/1h tokens", "cost {http.request.header.X-Cost}")+"\nrespond \"ok\"")
+	for _, cost := range []string{"11", "9007199254740991"} {
+		r := g.get("X-User", "alice", "X-Cost", cost)
+		if r.status != http.StatusTooManyRequests {
+			t.Fatalf("cost %s: status %d, want 429", cost, r.status)
+		}
+		want := `{"error":"cost_exceeds_capacity","cost":` + cost + `,"capacity":10,"tier":"free","dimension":"user"}` + "\n"
+		if r.body != want {
+			t.Errorf("cost %s: body %q, want %q", cost, r.body, want)
+		}
+		wantHeaders(t, "cost "+cost, r.header,
+			"Retry-After", "",
+			"Retry-After-Ms", "",
+			"Cache-Control", "no-store",
+			"RateLimit", `"user";r=100;t=0, "user-tokens";r=10;t=0`,
+			"X-RateLimit-Limit", "10",
+			"X-RateLimit-Remaining", "10")
+	}
+	if keys := g.keys(); len(keys) != 0 {
+		t.Errorf("a denied request wrote %q", keys)
+	}
+	// A cost equal to the capacity is allowed.
+	r := g.get("X-User", "alice", "X-Cost", "10")
+	if r.status != http.StatusOK {
+		t.Fatalf("cost 10: status %d", r.status)
+	}
+	wantHeaders(t, "cost 10", r.header, "RateLimit", `"user";r=99;t=3600, "user-tokens";r=0;t=36000`)
+}
+
+// TestInvalidCostIs400: a cost that is not an integer from 0 to 2^53-1 is
+// answered 400 invalid_cost before Redis is asked, so nothing is charged.
+func TestInvalidCostIs400(t *testing.T) {
+	g := startGateway(t, userLimit("user 100 1/1h\n\t\t\tuser 1000 1/1h tokens", "cost {http.request.header.X-Cost}")+"\nrespond \"ok\"")
+	const want = `{"error":"invalid_cost","message":"the request's cost must be an integer from 0 to 9007199254740991"}` + "\n"
+	for _, cost := range []string{"abc", "-1", "1.5", "", "99999999999999999999", "9007199254740992", "1e3", "0x10", "+1", "٣"} {
+		r := g.get("X-User", "alice", "X-Cost", cost)
+		if r.status != http.StatusBadRequest || r.body != want {
+			t.Errorf("cost %q: %d %q, want 400 %q", cost, r.status, r.body, want)
+		}
+		wantNoRateLimitHeaders(t, fmt.Sprintf("cost %q", cost), r.header)
+	}
+	// No X-Cost header at all is an empty cost too.
+	if r := g.get("X-User", "alice"); r.status != http.StatusBadRequest {
+		t.Errorf("no cost header: status %d, want 400", r.status)
+	}
+	if keys := g.keys(); len(keys) != 0 {
+		t.Errorf("invalid costs wrote %q", keys)
+	}
+}
+
+// TestZeroCostPeeks: cost 0 on a tokens limit is a peek: allowed, the
+// remaining tokens reported, nothing written.
+func TestZeroCostPeeks(t *testing.T) {
+	g := startGateway(t, userLimit("user 10 1/1h tokens", "cost {http.request.header.X-Cost}")+"\nrespond \"ok\"")
+	r := g.get("X-User", "alice", "X-Cost", "0")
+	if r.status != http.StatusOK {
+		t.Fatalf("peek on a fresh bucket: status %d", r.status)
+	}
+	wantHeaders(t, "peek on a fresh bucket", r.header, "RateLimit", `"user-tokens";r=10;t=0`)
+	if keys := g.keys(); len(keys) != 0 {
+		t.Fatalf("a peek wrote %q", keys)
+	}
+	if r := g.get("X-User", "alice", "X-Cost", "3"); r.status != http.StatusOK || r.header.Get("X-RateLimit-Remaining") != "7" {
+		t.Fatalf("cost 3: %d, remaining %q", r.status, r.header.Get("X-RateLimit-Remaining"))
+	}
+	key := bucket.NewKeyer("rl:", "").Key("user", "alice", "tokens")
+	stored := g.value(key)
+	r = g.get("X-User", "alice", "X-Cost", "0")
+	if r.status != http.StatusOK || r.header.Get("X-RateLimit-Remaining") != "7" {
+		t.Errorf("peek: %d, remaining %q; want 200, 7", r.status, r.header.Get("X-RateLimit-Remaining"))
+	}
+	if got := g.value(key); got != stored {
+		t.Errorf("a peek wrote the bucket: %q, then %q", stored, got)
+	}
+}
+
+// TestEmptyIdentitySkipsDimension: a dimension whose identity is empty or
+// missing is skipped for the request, never lumped into one shared bucket.
+func TestEmptyIdentitySkipsDimension(t *testing.T) {
+	g := startGateway(t, `
+	token_bucket {
+		redis redis://REDIS_ADDR {
+			timeout 30s
+		}
+		dimension user {http.request.header.X-User}
+		dimension ip {client_ip}
+		tier free {
+			user 5 1/1h
+			ip 50 1/1h
+		}
+	}
+	respond "ok"`)
+	ipKey := bucket.NewKeyer("rl:", "").Key("ip", "127.0.0.1/32", "")
+	for _, headers := range [][]string{nil, {"X-User", ""}} {
+		r := g.get(headers...)
+		what := fmt.Sprintf("headers %q", headers)
+		if r.status != http.StatusOK {
+			t.Fatalf("%s: status %d", what, r.status)
+		}
+		wantHeaders(t, what, r.header, "RateLimit-Policy", `"ip";q=50;w=180000`)
+		if keys := g.keys(); len(keys) != 1 || keys[0] != ipKey {
+			t.Errorf("%s: keys %q, want only %q", what, keys, ipKey)
+		}
+	}
+
+	// With no dimension resolved, nothing is asked of Redis: the request
+	// passes without rate-limit headers.
+	g.load(userLimit("user 5 1/1h", "") + "\nrespond \"{http.token_bucket.decision}\"")
+	if err := g.rdb.FlushAll(context.Background()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	r := g.get()
+	if r.status != http.StatusOK || r.body != "allowed" {
+		t.Errorf("no identity: %d %q, want 200 allowed", r.status, r.body)
+	}
+	wantNoRateLimitHeaders(t, "no identity", r.header)
+	if keys := g.keys(); len(keys) != 0 {
+		t.Errorf("no identity wrote %q", keys)
+	}
+}
+
+// TestUnknownTierUsesDefault: a tier_from that is empty or names no tier
+// (case matters) gets default_tier's limits, never a tier of its choosing.
+func TestUnknownTierUsesDefault(t *testing.T) {
+	// A raw header is the tier source only to drive the test; see tier_from.
+	g := startGateway(t, `
+	token_bucket {
+		redis redis://REDIS_ADDR {
+			timeout 30s
+		}
+		dimension user {http.request.header.X-User}
+		tier_from {http.request.header.X-Tier}
+		default_tier free
+		tier gold {
+			user 100 1/1h
+		}
+		tier free {
+			user 3 1/1h
+		}
+	}
+	respond "{http.token_bucket.tier}"`)
+	for i, tc := range []struct {
+		header []string
+		tier   string
+		policy string
+	}{
+		{[]string{"X-Tier", "gold"}, "gold", `"user";q=100;w=360000`},
+		{[]string{"X-Tier", "free"}, "free", `"user";q=3;w=10800`},
+		{[]string{"X-Tier", "platinum"}, "free", `"user";q=3;w=10800`},
+		{[]string{"X-Tier", "GOLD"}, "free", `"user";q=3;w=10800`},
+		{[]string{"X-Tier", ""}, "free", `"user";q=3;w=10800`},
+		{nil, "free", `"user";q=3;w=10800`},
+	} {
+		r := g.get(append([]string{"X-User", "user-" + strconv.Itoa(i)}, tc.header...)...)
+		what := fmt.Sprintf("tier header %q", tc.header)
+		if r.status != http.StatusOK || r.body != tc.tier {
+			t.Errorf("%s: %d %q, want 200 %q", what, r.status, r.body, tc.tier)
+		}
+		wantHeaders(t, what, r.header, "RateLimit-Policy", tc.policy)
+	}
+}
+
+// TestRawIdentityNeverInRedis sends traffic with a distinctive API key and
+// user id, then scans the whole keyspace: every key is the documented
+// hashed form (HMAC with key_secret), no key or value holds the raw
+// identities, and every key has a TTL.
+func TestRawIdentityNeverInRedis(t *testing.T) {
+	const (
+		apiKey = "sk-live-TOPSECRET-0123456789abcdef"
+		user   = "alice@example.com"
+		secret = "test-key-secret"
+	)
+	g := startGateway(t, `
+	token_bucket {
+		redis redis://REDIS_ADDR {
+			timeout 30s
+		}
+		key_secret `+secret+`
+		dimension api_key {http.request.header.X-Api-Key}
+		dimension user {http.request.header.X-User}
+		dimension ip {client_ip}
+		tier free {
+			api_key 100 1/1h
+			api_key 10000 1/1h tokens
+			user 100 1/1h
+			ip 100 1/1h
+		}
+		cost 7
+	}
+	respond "ok"`)
+	for i := 0; i < 3; i++ {
+		if r := g.get("X-Api-Key", apiKey, "X-User", user); r.status != http.StatusOK {
+			t.Fatalf("request %d: status %d", i, r.status)
+		}
+	}
+	k := bucket.NewKeyer("rl:", secret)
+	want := map[string]bool{
+		k.Key("api_key", apiKey, ""):       true,
+		k.Key("api_key", apiKey, "tokens"): true,
+		k.Key("user", user, ""):            true,
+		k.Key("ip", "127.0.0.1/32", ""):    true,
+	}
+	keys := g.keys()
+	if len(keys) != len(want) {
+		t.Errorf("keys %q, want %d keys", keys, len(want))
+	}
+	plain := bucket.NewKeyer("rl:", "")
+	for _, key := range keys {
+		if !want[key] {
+			t.Errorf("unexpected key %q", key)
+		}
+		if key == plain.Key("user", user, "") {
+			t.Errorf("key %q ignores key_secret", key)
+		}
+		value := g.value(key)
+		for _, raw := range []string{apiKey, "TOPSECRET", "sk-live", user, "alice"} {
+			if strings.Contains(key, raw) || strings.Contains(value, raw) {
+				t.Errorf("key %q = %q holds %q", key, value, raw)
+			}
+		}
+		ttl, err := g.rdb.PTTL(context.Background(), key).Result()
+		// The most drained bucket, api_key tokens, is 3 × 7 tokens short
+		// at 1 token an hour.
+		if err != nil || ttl <= 0 || ttl > 21*time.Hour {
+			t.Errorf("key %q: PTTL %v (%v), want from 1 ms to 21 h", key, ttl, err)
+		}
+	}
+}
+
+// TestHostileIdentitiesGiveBoundedKeys: identities with '{', '}', ':' or 10
+// KB of text give keys of one fixed length whose only braces are the hash
+// tag the keyer puts there, all distinct.
+func TestHostileIdentitiesGiveBoundedKeys(t *testing.T) {
+	g := startGateway(t, userLimit("user 10 1/1h", "")+"\nrespond \"ok\"")
+	ids := []string{
+		"alice", "{alice}", "a{b}c", "}{", "{", "}", "user:alice", "alice:", ":alice",
+		"x}:{y", "{user:alice}", "rl:{user:alice}", strings.Repeat("z", 10240), strings.Repeat("{:}", 3400),
+	}
+	k := bucket.NewKeyer("rl:", "")
+	const keyLen = len("rl:{user:") + bucket.IDLength + len("}")
+	for _, id := range ids {
+		if r := g.get("X-User", id); r.status != http.StatusOK {
+			t.Fatalf("identity %.40q: status %d", id, r.status)
+		}
+	}
+	keys := g.keys()
+	if len(keys) != len(ids) {
+		t.Errorf("%d keys for %d distinct identities", len(keys), len(ids))
+	}
+	got := map[string]bool{}
+	for _, key := range keys {
+		got[key] = true
+		if len(key) != keyLen || !strings.HasPrefix(key, "rl:{user:") || !strings.HasSuffix(key, "}") ||
+			strings.Count(key, "{") != 1 || strings.Count(key, "}") != 1 {
+			t.Errorf("key %q: want rl:{user:<%d characters>}", key, bucket.IDLength)
+		}
+	}
+	for _, id := range ids {
+		if !got[k.Key("user", id, "")] {
+			t.Errorf("no key %q for identity %.40q", k.Key("user", id, ""), id)
+		}
+	}
+}
+
+// TestScriptFlushChangesNoDecision: after SCRIPT FLUSH (as after a Redis
+// restart or failover) the script is loaded again and the decisions go on
+// exactly as the model says.
+func TestScriptFlushChangesNoDecision(t *testing.T) {
+	g := startGateway(t, userLimit("user 3 1/1h", "")+"\nrespond \"ok\"")
+	ctx := context.Background()
+	flush := func() {
+		t.Helper()
+		if err := g.rdb.ScriptFlush(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		if ok, err := g.rdb.ScriptExists(ctx, lua.TokenBucket.Hash()).Result(); err != nil || ok[0] {
+			t.Fatalf("SCRIPT EXISTS after SCRIPT FLUSH: %v %v", ok, err)
+		}
+	}
+	for i, want := range []struct {
+		flush     bool
+		status    int
+		remaining string
+	}{
+		{false, 200, "2"},
+		{true, 200, "1"},
+		{true, 200, "0"},
+		{true, 429, "0"},
+		{false, 429, "0"},
+	} {
+		if want.flush {
+			flush()
+		}
+		r := g.get("X-User", "alice")
+		if r.status != want.status || r.header.Get("X-RateLimit-Remaining") != want.remaining {
+			t.Errorf("request %d: %d, remaining %q; want %d, %s", i+1, r.status, r.header.Get("X-RateLimit-Remaining"), want.status, want.remaining)
+		}
+	}
+	if ok, err := g.rdb.ScriptExists(ctx, lua.TokenBucket.Hash()).Result(); err != nil || !ok[0] {
+		t.Errorf("script not loaded again: %v %v", ok, err)
+	}
+}
+
+// TestOnDenyErrorUsesHandleErrors: with on_deny error, a denial (and an
+// invalid cost) is a Caddy error that handle_errors renders, and the
+// rate-limit headers and placeholders are still set.
+func TestOnDenyErrorUsesHandleErrors(t *testing.T) {
+	g := startGateway(t, userLimit("user 1 1/1h\n\t\t\tuser 100 1/1h tokens", "on_deny error\n\t\tcost {http.request.header.X-Cost}")+`
+	respond "ok"
+	handle_errors {
+		respond "{err.status_code} {http.token_bucket.tier} {http.token_bucket.decision}" {err.status_code}
+		header >X-Denied-By {http.token_bucket.dimension}
+		header >X-Retry-After-Placeholder {http.token_bucket.retry_after}
+	}`)
+	if r := g.get("X-User", "alice", "X-Cost", "1"); r.status != http.StatusOK || r.body != "ok" {
+		t.Fatalf("first request: %d %q", r.status, r.body)
+	}
+	r := g.get("X-User", "alice", "X-Cost", "1")
+	if r.status != http.StatusTooManyRequests || r.body != "429 free denied" {
+		t.Errorf("denial: %d %q, want 429 \"429 free denied\"", r.status, r.body)
+	}
+	wantHeaders(t, "denial", r.header,
+		"X-Denied-By", "user",
+		"X-Retry-After-Placeholder", "3600",
+		"Retry-After", "3600",
+		"Cache-Control", "no-store",
+		"X-RateLimit-Limit", "1",
+		"X-RateLimit-Remaining", "0",
+		"X-RateLimit-Reset", "3600")
+	r = g.get("X-User", "alice", "X-Cost", "abc")
+	if r.status != http.StatusBadRequest || r.body != "400 free invalid_cost" {
+		t.Errorf("invalid cost: %d %q, want 400 \"400 free invalid_cost\"", r.status, r.body)
+	}
+}
+
+// TestReloadsDoNotGrowRedisConnections reloads the config 50 times: the
+// handlers share one pooled client per Redis config across reloads and
+// release it on cleanup, so Redis sees no more connections than before.
+func TestReloadsDoNotGrowRedisConnections(t *testing.T) {
+	site := func(i int) string {
+		return userLimit("user 1000 1/1h", "") + fmt.Sprintf("\nrespond \"ok %d\"", i)
+	}
+	g := startGateway(t, site(0))
+	clients := func() int {
+		t.Helper()
+		list, err := g.rdb.ClientList(context.Background()).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return strings.Count(strings.TrimSpace(list), "\n") + 1
+	}
+	if r := g.get("X-User", "alice"); r.status != http.StatusOK {
+		t.Fatalf("status %d", r.status)
+	}
+	before := clients()
+	for i := 1; i <= 50; i++ {
+		g.load(site(i))
+	}
+	r := g.get("X-User", "alice")
+	if r.status != http.StatusOK || r.body != "ok 50" || r.header.Get("X-RateLimit-Remaining") != "998" {
+		t.Fatalf("after reloads: %d %q, remaining %q", r.status, r.body, r.header.Get("X-RateLimit-Remaining"))
+	}
+	if after := clients(); after > before+2 {
+		t.Errorf("Redis connections grew from %d to %d over 50 reloads", before, after)
+	} else {
+		t.Logf("Redis connections: %d before, %d after 50 reloads", before, after)
+	}
+}
+
+// TestPlaceholders: later handlers see {http.token_bucket.*}: the respond
+// body, and header fields set at write time (so also on a denial).
+func TestPlaceholders(t *testing.T) {
+	g := startGateway(t, `
+	header >X-TB-Tier {http.token_bucket.tier}
+	header >X-TB-Decision {http.token_bucket.decision}
+	header >X-TB-Remaining {http.token_bucket.remaining}
+	header >X-TB-Dimension {http.token_bucket.dimension}
+	header >X-TB-Retry-After {http.token_bucket.retry_after}
+	`+userLimit("user 2 1/1h", "")+`
+	respond "{http.token_bucket.tier} {http.token_bucket.decision} {http.token_bucket.remaining}"`)
+	for _, want := range []struct {
+		status                                        int
+		body, decision, remaining, dimension, waitSec string
+	}{
+		{200, "free allowed 1", "allowed", "1", "", ""},
+		{200, "free allowed 0", "allowed", "0", "", ""},
+		{429, `"dimension":"user"}`, "denied", "0", "user", "3600"},
+	} {
+		r := g.get("X-User", "alice")
+		if r.status != want.status || !strings.HasSuffix(strings.TrimSpace(r.body), want.body) {
+			t.Errorf("%d %q, want %d …%q", r.status, r.body, want.status, want.body)
+		}
+		wantHeaders(t, want.decision, r.header,
+			"X-TB-Tier", "free",
+			"X-TB-Decision", want.decision,
+			"X-TB-Remaining", want.remaining)
+		// dimension and retry_after are set on a denial only.
+		if want.status == http.StatusTooManyRequests {
+			wantHeaders(t, want.decision, r.header,
+				"X-TB-Dimension", want.dimension,
+				"X-TB-Retry-After", want.waitSec)
+		}
+	}
+}
+
+// TestOnRedisError stops Redis and checks each on_redis_error policy:
+// allow passes without rate-limit headers, deny answers 503 (never 429),
+// local enforces the same limits from process memory. All set
+// {http.token_bucket.degraded}.
+func TestOnRedisError(t *testing.T) {
+	site := func(policy string) string {
+		return `
+	token_bucket {
+		redis redis://REDIS_ADDR
+		dimension user {http.request.header.X-User}
+		tier free {
+			user 3 1/1h
+		}
+		on_redis_error ` + policy + `
+	}
+	respond "{http.token_bucket.decision} degraded={http.token_bucket.degraded}"`
+	}
+	g := startGateway(t, site("allow"))
+	g.redis.Stop()
+
+	t.Run("allow", func(t *testing.T) {
+		for i := 0; i < 5; i++ {
+			r := g.get("X-User", "alice")
+			if r.status != http.StatusOK || r.body != "allowed degraded=true" {
+				t.Fatalf("request %d: %d %q, want 200 \"allowed degraded=true\"", i+1, r.status, r.body)
+			}
+			wantNoRateLimitHeaders(t, "allow", r.header)
+			wantHeaders(t, "allow", r.header, "Retry-After", "")
+		}
+	})
+	t.Run("deny", func(t *testing.T) {
+		g.load(site("deny"))
+		r := g.get("X-User", "alice")
+		const want = `{"error":"rate_limiter_unavailable","message":"the rate limiter cannot reach its store; retry shortly"}` + "\n"
+		if r.status != http.StatusServiceUnavailable || r.body != want {
+			t.Errorf("%d %q, want 503 %q", r.status, r.body, want)
+		}
+		wantHeaders(t, "deny", r.header, "Content-Type", "application/json", "Retry-After", "1")
+		wantNoRateLimitHeaders(t, "deny", r.header)
+	})
+	t.Run("local", func(t *testing.T) {
+		g.load(site("local"))
+		for i := 0; i < 3; i++ {
+			r := g.get("X-User", "alice")
+			if r.status != http.StatusOK || r.body != "allowed degraded=true" {
+				t.Fatalf("request %d: %d %q, want 200 \"allowed degraded=true\"", i+1, r.status, r.body)
+			}
+			wantNoRateLimitHeaders(t, "local", r.header)
+		}
+		r := g.get("X-User", "alice")
+		if r.status != http.StatusTooManyRequests || !strings.HasPrefix(r.body, `{"error":"rate_limit_exceeded","retry_after":3600,`) ||
+			!strings.HasSuffix(r.body, `,"tier":"free","dimension":"user"}`+"\n") {
+			t.Errorf("fourth request: %d %q, want 429 rate_limit_exceeded", r.status, r.body)
+		}
+		wantHeaders(t, "local denial", r.header, "Retry-After", "3600", "Cache-Control", "no-store")
+		wantNoRateLimitHeaders(t, "local denial", r.header)
+		if r := g.get("X-User", "bob"); r.status != http.StatusOK {
+			t.Errorf("bob: status %d, want 200", r.status)
+		}
+	})
+}

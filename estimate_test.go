@@ -1,0 +1,293 @@
+package tokenbucket
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/token-bucket/token_bucket/bucket"
+)
+
+func int64p(n int64) *int64 { return &n }
+
+// promptOfSize is a legacy completion body of exactly n bytes (n ≥ 28):
+// n − 28 characters of prompt and a budget of 1.
+func promptOfSize(n int) string {
+	return `{"prompt":"` + strings.Repeat("x", n-28) + `","max_tokens":1}`
+}
+
+// TestEstimateTable: the estimator's rule, ⌈characters/4⌉ over every text +
+// 85 per non-text part + max_completion_tokens | max_tokens |
+// max_output_tokens | default, on the request shapes of OpenAI (chat,
+// multimodal, legacy completions, responses) and Anthropic (messages,
+// system string and blocks), and the bodies it must refuse. Whatever the
+// outcome, the body reads back byte for byte afterwards.
+func TestEstimateTable(t *testing.T) {
+	small := &Estimate{MaxBody: 64}
+	fallback := &Estimate{OnInvalid: int64p(7)}
+	reject := &Estimate{OnInvalid: int64p(-1)}
+	for _, tc := range []struct {
+		name string
+		e    *Estimate // nil: defaults
+		body string    // "<nil>": no body at all
+		want int64     // -1: invalid body
+	}{
+		// 14 + 23 + 15 + 7 = 59 characters: 15 tokens, + 100.
+		{"chat_strings", nil, `{"model":"gpt-4o","messages":[` +
+			`{"role":"system","content":"You are terse."},` +
+			`{"role":"user","content":"What is a token bucket?"},` +
+			`{"role":"assistant","content":"A rate limiter."},` +
+			`{"role":"user","content":"Thanks!"}],"max_tokens":100}`, 115},
+		// 22 characters: 6, + 85 for the image, + 50.
+		{"text_and_image_url", nil, `{"messages":[{"role":"user","content":[` +
+			`{"type":"text","text":"What is in this image?"},` +
+			`{"type":"image_url","image_url":{"url":"https://example.com/cat.png","detail":"high"}}]}],"max_tokens":50}`, 141},
+		// 8 characters: 2, + 3 × 85, + 10.
+		{"two_images_and_audio", nil, `{"messages":[{"role":"user","content":[` +
+			`{"type":"text","text":"Compare."},` +
+			`{"type":"image_url","image_url":{"url":"https://example.com/a.png"}},` +
+			`{"type":"image_url","image_url":{"url":"data:image/png;base64,iVBORw0KGgo="}},` +
+			`{"type":"input_audio","input_audio":{"data":"UklGRg==","format":"wav"}}]}],"max_completion_tokens":10}`, 267},
+		{"missing_max_tokens_default", nil, `{"messages":[{"role":"user","content":"Hi!"}]}`, 1 + 1024},
+		{"configured_default", &Estimate{DefaultMaxTokens: 256}, `{"messages":[{"role":"user","content":"Hi!"}]}`, 1 + 256},
+		{"null_max_tokens_default", nil, `{"messages":[{"role":"user","content":"Hi!"}],"max_tokens":null}`, 1 + 1024},
+		{"max_completion_tokens_preferred", nil,
+			`{"messages":[{"role":"user","content":"Hi!"}],"max_tokens":999,"max_output_tokens":7,"max_completion_tokens":300}`, 1 + 300},
+		{"max_tokens_over_max_output_tokens", nil, `{"input":"Hi!","max_output_tokens":7,"max_tokens":20}`, 1 + 20},
+		// Responses API: "Write a haiku about rate limits." is 32.
+		{"responses_input_string", nil, `{"model":"gpt-4.1","input":"Write a haiku about rate limits.","max_output_tokens":64}`, 8 + 64},
+		// Responses API: input as messages, content a string or input_text
+		// parts (13 + 19 = 32 characters) and an input_image.
+		{"responses_input_messages", nil, `{"model":"gpt-4.1","input":[` +
+			`{"role":"developer","content":"Answer in one"},` +
+			`{"role":"user","content":[{"type":"input_text","text":"What is this image?"},` +
+			`{"type":"input_image","image_url":"https://example.com/x.png"}]}],"max_output_tokens":64}`, 8 + 85 + 64},
+		// 17 + 5 = 22 characters: 6, + 1000.
+		{"anthropic_system_string", nil,
+			`{"model":"claude","max_tokens":1000,"system":"You are a pirate.","messages":[{"role":"user","content":"Hello"}]}`, 6 + 1000},
+		// 17 + 14 + 12 = 43 characters: 11, + 85 for the image, + 1000.
+		{"anthropic_system_blocks_and_image", nil, `{"model":"claude","max_tokens":1000,"system":[` +
+			`{"type":"text","text":"You are a pirate."},` +
+			`{"type":"text","text":"Speak briefly.","cache_control":{"type":"ephemeral"}}],` +
+			`"messages":[{"role":"user","content":[` +
+			`{"type":"image","source":{"type":"base64","media_type":"image/png","data":"iVBORw0KGgo="}},` +
+			`{"type":"text","text":"Describe it."}]}]}`, 11 + 85 + 1000},
+		// "Say this is a test" is 18 characters: 5, + 7.
+		{"legacy_prompt_string", nil, `{"model":"gpt-3.5-turbo-instruct","prompt":"Say this is a test","max_tokens":7}`, 5 + 7},
+		{"legacy_prompt_array", nil, `{"prompt":["Say this","is a test!"],"max_tokens":7}`, 5 + 7},
+		// 10 + 4 runes (30 + 15 bytes): ⌈14/4⌉ = 4, not ⌈45/4⌉ = 12.
+		{"unicode_runes_not_bytes", nil,
+			`{"messages":[{"role":"user","content":"日本語のテキストです"},{"role":"user","content":"👋🌍🚀✨"}],"max_tokens":0}`, 4},
+		// JSON escapes count as the characters they stand for: héllo "w" is 9.
+		{"json_escapes_decoded", nil, `{"messages":[{"role":"user","content":"h\u00e9llo \"w\""}],"max_tokens":0}`, 3},
+		{"four_chars_one_token", nil, `{"prompt":"abcd","max_tokens":0}`, 1},
+		{"five_chars_two_tokens", nil, `{"prompt":"abcde","max_tokens":0}`, 2},
+		{"rounding_over_the_whole_prompt", nil, `{"messages":[{"content":"a"},{"content":"b"},{"content":"c"}],"max_tokens":0}`, 1},
+		{"nothing", nil, `{"messages":[],"max_tokens":0}`, 0},
+		{"tool_call_with_null_content", nil, `{"messages":[` +
+			`{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]},` +
+			`{"role":"tool","tool_call_id":"c1","content":"42"}],"max_tokens":1}`, 2},
+		{"whitespace_around", nil, " \r\n\t{\"prompt\":\"abcd\",\"max_tokens\":3}\n", 4},
+		{"budget_at_max_cost", nil, `{"max_tokens":9007199254740991}`, MaxCost},
+
+		{"not_json", nil, `hello`, -1},
+		{"empty_body", nil, ``, -1},
+		{"no_body", nil, "<nil>", -1},
+		{"truncated_json", nil, `{"messages":[`, -1},
+		{"trailing_garbage", nil, `{"max_tokens":1} x`, -1},
+		{"json_array", nil, `[{"messages":[]}]`, -1},
+		{"json_string", nil, `"hello"`, -1},
+		{"json_null", nil, `null`, -1},
+		{"json_number", nil, `42`, -1},
+		{"negative_budget", nil, `{"max_tokens":-1}`, -1},
+		{"fractional_budget", nil, `{"max_tokens":1.5}`, -1},
+		{"budget_above_max_cost", nil, `{"max_tokens":9007199254740992}`, -1},
+		{"messages_not_an_array", nil, `{"messages":"hi"}`, -1},
+
+		// max_body 64: 64 bytes pass (36 characters: 9, + 1), 65 do not.
+		{"at_max_body", small, promptOfSize(64), 9 + 1},
+		{"over_max_body", small, promptOfSize(65), -1},
+
+		// on_invalid <n>: the fallback cost instead of a 400.
+		{"on_invalid_not_json", fallback, `hello`, 7},
+		{"on_invalid_no_body", fallback, "<nil>", 7},
+		{"on_invalid_valid_body_estimated", fallback, `{"prompt":"abcd","max_tokens":3}`, 4},
+		{"on_invalid_reject", reject, `hello`, -1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := tc.e
+			if e == nil {
+				e = &Estimate{}
+			}
+			var req *http.Request
+			if tc.body == "<nil>" {
+				req = httptest.NewRequest(http.MethodPost, "/v1/chat/completions", nil)
+			} else {
+				req = httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(tc.body))
+			}
+			got, err := e.estimate(req)
+			switch {
+			case tc.want < 0 && !errors.Is(err, errInvalidBody):
+				t.Errorf("estimate = %d, %v; want errInvalidBody", got, err)
+			case tc.want >= 0 && (err != nil || got != tc.want):
+				t.Errorf("estimate = %d, %v; want %d", got, err, tc.want)
+			}
+			if tc.body == "<nil>" {
+				return
+			}
+			rest, err := io.ReadAll(req.Body)
+			if err != nil || string(rest) != tc.body {
+				t.Errorf("body after the estimate: %q, %v; want the original %q", rest, err, tc.body)
+			}
+		})
+	}
+}
+
+// TestEstimateOversizedBodyReadsBackWhole: a body far above max_body is
+// refused after reading max_body+1 bytes, and the upstream still gets all of
+// it, in order, including the unread rest.
+func TestEstimateOversizedBodyReadsBackWhole(t *testing.T) {
+	body := bytes.Repeat([]byte("0123456789abcdef"), 1<<16) // 1 MiB
+	req := httptest.NewRequest(http.MethodPost, "/", bytes.NewReader(body))
+	if _, err := (&Estimate{MaxBody: 1000}).estimate(req); !errors.Is(err, errInvalidBody) {
+		t.Fatalf("err %v, want errInvalidBody", err)
+	}
+	got, err := io.ReadAll(req.Body)
+	if err != nil || !bytes.Equal(got, body) {
+		t.Fatalf("read back %d bytes (%v), want the %d of the original", len(got), err, len(body))
+	}
+	if err := req.Body.Close(); err != nil {
+		t.Errorf("close: %v", err)
+	}
+}
+
+// ---------------------------------------------------------------------------
+// End to end: Caddy + Redis + the fake upstream.
+
+func sha256Hex(s string) string {
+	sum := sha256.Sum256([]byte(s))
+	return hex.EncodeToString(sum[:])
+}
+
+// TestEstimateBodyReachesUpstreamIntact: the estimator reads the body
+// before reverse_proxy sends it; the upstream gets it byte for byte (its
+// SHA-256 and length echoed back), whatever its form: odd whitespace,
+// escapes and non-ASCII text; a body over max_body (charged on_invalid);
+// a non-JSON one. The bucket is charged exactly the estimate.
+func TestEstimateBodyReachesUpstreamIntact(t *testing.T) {
+	lg := startLLMGateway(t, llmLimiter("user 1000000 1/1h tokens", "cost estimate {\n\t\t\t\tmax_body 64KiB\n\t\t\t\ton_invalid 7\n\t\t\t}"))
+	long := strings.Repeat("Lorem ipsum dolor sit amet, ½ ünïcødé 🚀. ", 1000) // 41000 runes, 49000 bytes
+	for _, tc := range []struct {
+		name, body string
+		cost       int64
+	}{
+		// "héllo" and "wörld\n\t!": 5 + 8 = 13 characters (escapes count
+		// as the one character each stands for): 4, + 16.
+		{"odd_json", "{ \"messages\" : [ {\"content\":\"héllo\"} ,\r\n\t{\"role\":\"user\",\"content\":\"w\\u00f6rld\\n\\t!\"} ],\n" +
+			"  \"max_tokens\" :16 , \"zzz\":[1,2.50,true,null,{}]  }", 4 + 16},
+		{"long_prompt", `{"model":"gpt-test","messages":[{"role":"user","content":"` + long + `"}],"max_tokens":100}`, 41000/4 + 100},
+		{"over_max_body", `{"model":"gpt-test","prompt":"` + strings.Repeat(long, 2) + `"}`, 7},
+		{"not_json", strings.Repeat("not json at all \x00\xff ", 5000), 7},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			lg.t = t
+			user := "intact-" + tc.name
+			r := lg.post("/v1/chat/completions", tc.body, "X-User", user)
+			if r.status != http.StatusOK {
+				t.Fatalf("status %d: %s", r.status, r.body)
+			}
+			wantHeaders(t, tc.name, r.header,
+				"X-Body-Sha256", sha256Hex(tc.body),
+				"X-Body-Length", strconv.Itoa(len(tc.body)),
+				"X-Estimated-Cost", strconv.FormatInt(tc.cost, 10),
+				"X-RateLimit-Remaining", strconv.FormatInt(1000000-tc.cost, 10))
+			st, err := bucket.DecodeState(lg.value(bucket.NewKeyer("rl:", "").Key("user", user, "tokens")))
+			if err != nil || wholeTokens(st) != 1000000-tc.cost {
+				t.Errorf("bucket %+v (%v), want %d whole tokens", st, err, 1000000-tc.cost)
+			}
+		})
+	}
+}
+
+// TestEstimateInvalidBodyIs400: with on_invalid reject (the default), a
+// body the estimator cannot read is answered 400 invalid_body before Redis
+// or the upstream sees anything: not JSON, JSON that is not an object, a
+// body over max_body, a negative budget, no body.
+func TestEstimateInvalidBodyIs400(t *testing.T) {
+	lg := startLLMGateway(t, llmLimiter("user 10000 1/1h tokens", "cost estimate {\n\t\t\t\tmax_body 1KiB\n\t\t\t}"))
+	const want = `{"error":"invalid_body","message":"the request body must be a JSON chat or completion request within the size limit"}` + "\n"
+	for _, body := range []string{
+		"not json",
+		"null",
+		"[]",
+		`{"max_tokens":-5}`,
+		promptOfSize(1025),
+		"",
+	} {
+		r := lg.post("/v1/chat/completions", body, "X-User", "alice")
+		if r.status != http.StatusBadRequest || r.body != want {
+			t.Errorf("body %.40q: %d %q, want 400 %q", body, r.status, r.body, want)
+		}
+		wantNoRateLimitHeaders(t, "invalid body", r.header)
+	}
+	if keys := lg.keys(); len(keys) != 0 {
+		t.Errorf("invalid bodies wrote %q", keys)
+	}
+	if n := len(lg.up.requests()); n != 0 {
+		t.Errorf("the upstream saw %d requests", n)
+	}
+	// 1024 bytes, 996 characters: 249 tokens, + 1.
+	r := lg.post("/v1/chat/completions", promptOfSize(1024), "X-User", "alice")
+	if r.status != http.StatusOK || r.header.Get("X-Estimated-Cost") != "250" || r.header.Get("X-Body-Length") != "1024" {
+		t.Errorf("a body of exactly max_body: %d, cost %q, length %q; want 200, 250, 1024",
+			r.status, r.header.Get("X-Estimated-Cost"), r.header.Get("X-Body-Length"))
+	}
+}
+
+// chatBody2K is a typical chat request of about 2 KB: a system prompt, a
+// few turns, a budget.
+var chatBody2K = func() []byte {
+	sentence := "The quick brown fox jumps over the lazy dog while the gateway counts tokens. "
+	var b strings.Builder
+	b.WriteString(`{"model":"gpt-4o-mini","temperature":0.2,"max_tokens":512,"messages":[`)
+	b.WriteString(`{"role":"system","content":"` + strings.Repeat(sentence, 6) + `"},`)
+	b.WriteString(`{"role":"user","content":"` + strings.Repeat(sentence, 8) + `"},`)
+	b.WriteString(`{"role":"assistant","content":"` + strings.Repeat(sentence, 4) + `"},`)
+	b.WriteString(`{"role":"user","content":[{"type":"text","text":"` + strings.Repeat(sentence, 6) + `"}]}]}`)
+	return []byte(b.String())
+}()
+
+// BenchmarkEstimate: the estimate of a 2 KB chat body, parsing alone and
+// with the body read from and given back to the request.
+func BenchmarkEstimate(b *testing.B) {
+	if n := len(chatBody2K); n < 1900 || n > 2200 {
+		b.Fatalf("body is %d bytes, want about 2 KB", n)
+	}
+	b.Run("parse", func(b *testing.B) {
+		b.ReportAllocs()
+		b.SetBytes(int64(len(chatBody2K)))
+		for b.Loop() {
+			if _, ok := estimateTokens(chatBody2K, DefaultEstimateMaxTokens); !ok {
+				b.Fatal("invalid")
+			}
+		}
+	})
+	b.Run("request", func(b *testing.B) {
+		e := &Estimate{}
+		b.ReportAllocs()
+		b.SetBytes(int64(len(chatBody2K)))
+		for b.Loop() {
+			req := &http.Request{Body: io.NopCloser(bytes.NewReader(chatBody2K))}
+			if _, err := e.estimate(req); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}

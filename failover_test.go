@@ -1,0 +1,1023 @@
+package tokenbucket
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"regexp"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/sony/gobreaker/v2"
+	"go.uber.org/zap"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/token-bucket/token_bucket/bucket"
+	"github.com/token-bucket/token_bucket/internal/redistest"
+	"github.com/token-bucket/token_bucket/lua"
+)
+
+// These tests run the handler against real Redis servers that they break:
+// killed and restarted, hung with SIGSTOP, failed over by Sentinels,
+// resharded in a Cluster, behind a wrong password or certificate. Every
+// limit is one token per hour, so no token comes back during a test and
+// every count is exact.
+
+const foHour = 1.0 / 3600
+
+// foTimeout is the redis timeout of tests that need every call to a live
+// Redis to succeed, even on a loaded machine: a call that timed out after
+// its script ran would be charged in Redis and decided by the fallback.
+const foTimeout = 2 * time.Second
+
+// foRedis is a single-server configuration with a fast breaker, so that
+// tests see it open and close quickly, and the generous foTimeout.
+func foRedis(addr string) *RedisConfig {
+	return &RedisConfig{
+		Address:         []string{addr},
+		Timeout:         caddy.Duration(foTimeout),
+		BreakerFailures: 3,
+		BreakerCooldown: caddy.Duration(100 * time.Millisecond),
+	}
+}
+
+// foHandler limits each X-User to capacity requests per hour.
+func foHandler(rc *RedisConfig, policy string, capacity int64) *Handler {
+	return &Handler{
+		Redis:        rc,
+		Dimensions:   []Dimension{{Name: "user", Identity: "{http.request.header.X-User}"}},
+		Tiers:        []Tier{{Name: "default", Limits: []Limit{{Dimension: "user", Capacity: capacity, RefillRate: foHour}}}},
+		OnRedisError: policy,
+	}
+}
+
+// foProvision provisions h as Caddy would and cleans it up at the end of
+// the test (before the Redis servers started earlier stop).
+func foProvision(t testing.TB, h *Handler) *Handler {
+	t.Helper()
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	if err := h.Provision(ctx); err != nil {
+		cancel()
+		t.Fatalf("provision: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := h.Cleanup(); err != nil {
+			t.Errorf("cleanup: %v", err)
+		}
+		cancel()
+	})
+	return h
+}
+
+// foResult is what a test reads of one ServeHTTP.
+type foResult struct {
+	status   int
+	header   http.Header
+	body     string
+	degraded bool // {http.token_bucket.degraded} is "true"
+	passed   bool // the next handler ran
+	latency  time.Duration
+}
+
+// foServe sends GET / through h with the headers given as name, value
+// pairs, as Caddy's server would: a Replacer and the HTTP vars in the
+// context, and the next handler answering 200.
+func foServe(h caddyhttp.MiddlewareHandler, headers ...string) foResult {
+	req := httptest.NewRequest(http.MethodGet, "http://gateway.test/", nil)
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Set(headers[i], headers[i+1])
+	}
+	rec := httptest.NewRecorder()
+	repl := caddy.NewReplacer()
+	req = caddyhttp.PrepareRequest(req, repl, rec, &caddyhttp.Server{})
+	var res foResult
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+		res.passed = true
+		w.WriteHeader(http.StatusOK)
+		return nil
+	})
+	start := time.Now()
+	err := h.ServeHTTP(rec, req, next)
+	res.latency = time.Since(start)
+	res.status, res.header, res.body = rec.Code, rec.Header(), rec.Body.String()
+	if err != nil {
+		res.status = http.StatusInternalServerError
+		var he caddyhttp.HandlerError
+		if errors.As(err, &he) {
+			res.status = he.StatusCode
+		}
+	}
+	res.degraded = repl.ReplaceAll("{http.token_bucket.degraded}", "") == "true"
+	return res
+}
+
+func foUser(h caddyhttp.MiddlewareHandler, user string) foResult { return foServe(h, "X-User", user) }
+
+// fromRedis reports whether Redis decided r: it carries the RateLimit
+// headers, which degraded decisions omit.
+func (r foResult) fromRedis() bool { return r.header.Get("RateLimit") != "" && !r.degraded }
+
+var foRateLimitHeaders = []string{"RateLimit-Policy", "RateLimit", "X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset"}
+
+// foWantRedis checks a decision made by Redis: the status and, for a
+// request that passed, the remaining tokens of X-RateLimit-Remaining.
+func foWantRedis(t *testing.T, what string, r foResult, status int, remaining int64) {
+	t.Helper()
+	if r.status != status || r.degraded || r.header.Get("X-RateLimit-Remaining") != strconv.FormatInt(remaining, 10) {
+		t.Errorf("%s: status %d, degraded %v, X-RateLimit-Remaining %q; want %d from redis with %d remaining (body %q)",
+			what, r.status, r.degraded, r.header.Get("X-RateLimit-Remaining"), status, remaining, r.body)
+	}
+	if status == http.StatusTooManyRequests && r.header.Get("Retry-After") == "" {
+		t.Errorf("%s: 429 without Retry-After", what)
+	}
+}
+
+// foWantDegraded checks a decision made without Redis: the status, the
+// degraded placeholder, and no RateLimit headers.
+func foWantDegraded(t *testing.T, what string, r foResult, status int) {
+	t.Helper()
+	if r.status != status || !r.degraded {
+		t.Errorf("%s: status %d, degraded %v; want %d, degraded (body %q)", what, r.status, r.degraded, status, r.body)
+	}
+	for _, name := range foRateLimitHeaders {
+		if v := r.header.Values(name); len(v) != 0 {
+			t.Errorf("%s: degraded response has %s %q", what, name, v)
+		}
+	}
+}
+
+// foBurstFromRedis sends capacity+2 requests as user and checks that Redis
+// admits exactly capacity of them, counting down, and denies the rest.
+func foBurstFromRedis(t *testing.T, h *Handler, user string, capacity int64) {
+	t.Helper()
+	for i := int64(0); i < capacity; i++ {
+		foWantRedis(t, fmt.Sprintf("%s request %d", user, i+1), foUser(h, user), http.StatusOK, capacity-1-i)
+	}
+	for i := 0; i < 2; i++ {
+		foWantRedis(t, fmt.Sprintf("%s request over the limit", user), foUser(h, user), http.StatusTooManyRequests, 0)
+	}
+}
+
+// foWaitRedisDecides polls (the breaker's cooldown, a failover) until
+// Redis decides a request of user again.
+func foWaitRedisDecides(t *testing.T, h *Handler, user string, limit time.Duration) {
+	t.Helper()
+	redistest.WaitFor(t, limit, "decisions from redis", func() error {
+		if r := foUser(h, user); !r.fromRedis() {
+			return fmt.Errorf("status %d, degraded %v", r.status, r.degraded)
+		}
+		return nil
+	})
+}
+
+const foUnavailableBody = `{"error":"rate_limiter_unavailable","message":"the rate limiter cannot reach its store; retry shortly"}` + "\n"
+
+// TestRedisKilledAndRestarted kills Redis mid-traffic and starts it again
+// on the same port. While it is down, each on_redis_error policy holds:
+// local keeps enforcing the limits from memory (exactly capacity, never a
+// 5xx), allow passes everything, deny answers 503 (never 429), all without
+// RateLimit headers and with {http.token_bucket.degraded}. After the
+// restart the breaker closes and Redis decides again, reloading the script
+// that the new process does not have (NOSCRIPT), also after SCRIPT FLUSH.
+func TestRedisKilledAndRestarted(t *testing.T) {
+	srv := redistest.Start(t)
+	local := foProvision(t, foHandler(foRedis(srv.Addr), PolicyLocal, 3))
+	allow := foProvision(t, foHandler(foRedis(srv.Addr), PolicyAllow, 3))
+	deny := foProvision(t, foHandler(foRedis(srv.Addr), PolicyDeny, 3))
+	if local.conn != allow.conn || allow.conn != deny.conn {
+		t.Fatal("handlers with one redis config do not share one client")
+	}
+
+	// Background traffic on another identity, from before the kill to
+	// after the restart: no request may fail.
+	var bgStatus sync.Map // status → *atomic.Int64
+	stop, done := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			n, _ := bgStatus.LoadOrStore(foUser(local, "background").status, new(atomic.Int64))
+			n.(*atomic.Int64).Add(1)
+			time.Sleep(time.Millisecond) // pacing the traffic, not timing a result
+		}
+	}()
+	defer func() {
+		select {
+		case <-stop:
+		default:
+			close(stop)
+			<-done
+		}
+	}()
+
+	foBurstFromRedis(t, local, "before", 3)
+	srv.Stop()
+
+	t.Run("local", func(t *testing.T) {
+		for i := 0; i < 3; i++ {
+			foWantDegraded(t, fmt.Sprintf("request %d", i+1), foUser(local, "down"), http.StatusOK)
+		}
+		for i := 0; i < 5; i++ {
+			r := foUser(local, "down")
+			foWantDegraded(t, "request over the limit", r, http.StatusTooManyRequests)
+			if r.header.Get("Retry-After") == "" {
+				t.Error("local denial without Retry-After")
+			}
+		}
+		if s := local.conn.breaker.State(); s == gobreaker.StateClosed {
+			t.Errorf("breaker %v after 8 failed calls, want open (or half-open after its cooldown)", s)
+		}
+	})
+	t.Run("allow", func(t *testing.T) {
+		for i := 0; i < 10; i++ {
+			r := foUser(allow, "down")
+			foWantDegraded(t, "allow", r, http.StatusOK)
+			if !r.passed {
+				t.Error("allow did not call the next handler")
+			}
+		}
+	})
+	t.Run("deny", func(t *testing.T) {
+		for i := 0; i < 10; i++ {
+			r := foUser(deny, "down")
+			foWantDegraded(t, "deny", r, http.StatusServiceUnavailable)
+			if r.passed || r.body != foUnavailableBody || r.header.Get("Content-Type") != "application/json" {
+				t.Errorf("deny: passed %v, body %q, content type %q", r.passed, r.body, r.header.Get("Content-Type"))
+			}
+		}
+	})
+
+	srv.Restart(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	foWaitRedisDecides(t, local, "poll", 10*time.Second)
+	// The new process had no script: go-redis sent EVAL, which it does only
+	// after EVALSHA failed with NOSCRIPT.
+	if n := foCalls(t, rdb, "eval"); n < 1 {
+		t.Errorf("the restarted redis ran EVAL %d times, want at least once (the NOSCRIPT reload)", n)
+	}
+
+	t.Run("after_restart", func(t *testing.T) {
+		foBurstFromRedis(t, local, "after", 3)
+		foWantRedis(t, "allow", foUser(allow, "after-allow"), http.StatusOK, 2)
+		foWantRedis(t, "deny", foUser(deny, "after-deny"), http.StatusOK, 2)
+		if cached, err := rdb.ScriptExists(ctx, lua.TokenBucket.Hash()).Result(); err != nil || !cached[0] {
+			t.Errorf("SCRIPT EXISTS = %v, %v; want the script loaded again", cached, err)
+		}
+	})
+	t.Run("script_flush", func(t *testing.T) {
+		evals := foCalls(t, rdb, "eval")
+		if err := rdb.ScriptFlush(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		foWantRedis(t, "first request after SCRIPT FLUSH", foUser(local, "flushed"), http.StatusOK, 2)
+		if n := foCalls(t, rdb, "eval"); n == evals {
+			t.Errorf("no EVAL after SCRIPT FLUSH: the request did not meet NOSCRIPT")
+		}
+	})
+
+	close(stop)
+	<-done
+	counts := map[int]int64{}
+	bgStatus.Range(func(k, v any) bool {
+		counts[k.(int)] = v.(*atomic.Int64).Load()
+		return true
+	})
+	t.Logf("background traffic through the kill and the restart: %v requests by status", counts)
+	// 3 admitted by Redis, 3 by the local store, 3 by the restarted Redis,
+	// which lost every bucket (no persistence).
+	if len(counts) > 2 || counts[http.StatusOK] > 9 || counts[http.StatusTooManyRequests] == 0 {
+		t.Errorf("background traffic: %v requests by status; want only 200 (at most 9) and 429", counts)
+	}
+}
+
+// foCalls returns how many times the server ran command, from INFO
+// commandstats.
+func foCalls(t *testing.T, c *redis.Client, command string) int64 {
+	t.Helper()
+	info, err := c.Info(context.Background(), "commandstats").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(info, "\r\n") {
+		if rest, ok := strings.CutPrefix(line, "cmdstat_"+command+":calls="); ok {
+			n, _ := strconv.ParseInt(rest[:strings.IndexByte(rest+",", ',')], 10, 64)
+			return n
+		}
+	}
+	return 0
+}
+
+// foLatencies summarizes measured latencies for the log.
+func foLatencies(d []time.Duration) string {
+	if len(d) == 0 {
+		return "none"
+	}
+	s := slices.Clone(d)
+	slices.Sort(s)
+	return fmt.Sprintf("n=%d p50=%v p99=%v max=%v", len(s), s[len(s)/2], s[len(s)*99/100], s[len(s)-1])
+}
+
+// TestRedisHangs stops the Redis process with SIGSTOP: it accepts
+// connections and never answers. Each request is decided by the fallback
+// within the timeout plus a margin; after breaker_failures calls in a row
+// the breaker opens and requests are decided at once, without waiting on
+// Redis. When Redis continues, the breaker closes after its cooldown.
+func TestRedisHangs(t *testing.T) {
+	const timeout = 50 * time.Millisecond
+	srv := redistest.Start(t)
+	rc := &RedisConfig{Address: []string{srv.Addr}, Timeout: caddy.Duration(timeout),
+		BreakerFailures: 3, BreakerCooldown: caddy.Duration(time.Second)}
+	h := foProvision(t, foHandler(rc, PolicyLocal, 1000))
+
+	var up, hung, open []time.Duration
+	for i := 0; i < 50; i++ {
+		up = append(up, foUser(h, "u").latency)
+	}
+	// A success resets the breaker's count of failures in a row (a loaded
+	// machine may have made a call above miss the 50ms).
+	foWaitRedisDecides(t, h, "u", 10*time.Second)
+
+	srv.Pause(t)
+	for i := 1; i <= 3; i++ {
+		if s := h.conn.breaker.State(); s != gobreaker.StateClosed {
+			t.Fatalf("breaker %v after %d failures, want closed", s, i-1)
+		}
+		r := foUser(h, "u")
+		foWantDegraded(t, "request to a hung redis", r, http.StatusOK)
+		hung = append(hung, r.latency)
+	}
+	if s := h.conn.breaker.State(); s != gobreaker.StateOpen {
+		t.Fatalf("breaker %v after 3 failures, want open", s)
+	}
+	for i := 0; i < 200; i++ {
+		r := foUser(h, "u")
+		foWantDegraded(t, "request with the breaker open", r, http.StatusOK)
+		open = append(open, r.latency)
+	}
+	// Concurrent requests while the breaker is open: none waits either.
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for g := 0; g < 8; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; i < 50; i++ {
+				r := foUser(h, "concurrent")
+				mu.Lock()
+				open = append(open, r.latency)
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+
+	t.Logf("redis up:                     %s", foLatencies(up))
+	t.Logf("redis hung, breaker closed:   %s (timeout %v)", foLatencies(hung), timeout)
+	t.Logf("redis hung, breaker open:     %s", foLatencies(open))
+	for _, d := range slices.Concat(hung, open) {
+		if d >= 10*timeout {
+			t.Errorf("a request took %v while redis hung, want < %v", d, 10*timeout)
+		}
+	}
+
+	srv.Resume(t)
+	foWaitRedisDecides(t, h, "resumed", 10*time.Second)
+}
+
+// BenchmarkServeHTTP measures one decision through the handler: by Redis,
+// and with Redis hung and the breaker open (the local store decides).
+func BenchmarkServeHTTP(b *testing.B) {
+	srv := redistest.Start(b)
+	rc := &RedisConfig{Address: []string{srv.Addr}, Timeout: caddy.Duration(50 * time.Millisecond),
+		BreakerFailures: 3, BreakerCooldown: caddy.Duration(time.Hour)}
+	h := foProvision(b, foHandler(rc, PolicyLocal, 1<<20))
+	h.logger = zap.NewNop() // the timeouts that open the breaker are expected
+	b.Run("redis", func(b *testing.B) {
+		for b.Loop() {
+			if r := foUser(h, "bench"); !r.fromRedis() {
+				b.Fatalf("not decided by redis: %d", r.status)
+			}
+		}
+	})
+	srv.Pause(b)
+	for h.conn.breaker.State() != gobreaker.StateOpen {
+		foUser(h, "bench")
+	}
+	b.Run("redis_hung_breaker_open", func(b *testing.B) {
+		for b.Loop() {
+			if r := foUser(h, "bench"); !r.degraded || r.status != http.StatusOK {
+				b.Fatalf("status %d, degraded %v", r.status, r.degraded)
+			}
+		}
+	})
+}
+
+// foTally counts the outcomes of the requests sent during a failover.
+type foTally struct {
+	redisAllowed, redisDenied, localAllowed, localDenied, failed map[string]int
+	firstDegraded, lastDegraded                                  time.Time
+}
+
+func newFoTally() *foTally {
+	return &foTally{redisAllowed: map[string]int{}, redisDenied: map[string]int{},
+		localAllowed: map[string]int{}, localDenied: map[string]int{}, failed: map[string]int{}}
+}
+
+func (c *foTally) add(id string, r foResult) {
+	switch {
+	case r.status != http.StatusOK && r.status != http.StatusTooManyRequests:
+		c.failed[id]++
+	case r.degraded:
+		if c.firstDegraded.IsZero() {
+			c.firstDegraded = time.Now()
+		}
+		c.lastDegraded = time.Now()
+		if r.status == http.StatusOK {
+			c.localAllowed[id]++
+		} else {
+			c.localDenied[id]++
+		}
+	case r.status == http.StatusOK:
+		c.redisAllowed[id]++
+	default:
+		c.redisDenied[id]++
+	}
+}
+
+func foSum(m map[string]int) (n int) {
+	for _, v := range m {
+		n += v
+	}
+	return n
+}
+
+// TestSentinelFailover runs a master, a replica and three Sentinels, sends
+// traffic on several identities, kills the master mid-traffic and keeps
+// sending while the Sentinels promote the replica. With on_redis_error
+// local no request fails. Redis admits exactly each bucket's capacity over
+// the whole run, since the new master has every bucket; the local store
+// admits at most one capacity more per identity while Redis is away (the
+// extra admissions, logged). After the failover the new master decides,
+// with the RateLimit headers.
+func TestSentinelFailover(t *testing.T) {
+	const capacity = 10
+	master := redistest.Start(t)
+	replica := redistest.StartReplica(t, master)
+	sentinels := redistest.StartSentinels(t, master, 1, 3, redistest.SentinelConfig{
+		MasterName: "mymaster", Quorum: 2, DownAfter: 500 * time.Millisecond, FailoverTimeout: 2 * time.Second})
+	addrs := make([]string, len(sentinels))
+	for i, s := range sentinels {
+		addrs[i] = s.Addr
+	}
+	rc := &RedisConfig{Address: addrs, Sentinel: "mymaster", Timeout: caddy.Duration(foTimeout),
+		BreakerFailures: 3, BreakerCooldown: caddy.Duration(100 * time.Millisecond)}
+	h := foProvision(t, foHandler(rc, PolicyLocal, capacity))
+	ids := []string{"id0", "id1", "id2", "id3", "id4"}
+	ctx := context.Background()
+
+	tally := newFoTally()
+	var redisAfterKill atomic.Int64
+	var killed atomic.Bool
+	const roundsBeforeKill = 3
+	stop, done := make(chan struct{}), make(chan struct{})
+	held, resume := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(done)
+		for round := 0; ; round++ {
+			if round == roundsBeforeKill { // the test kills the master between two rounds
+				close(held)
+				select {
+				case <-resume:
+				case <-stop:
+					return
+				}
+			}
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			for _, id := range ids {
+				r := foUser(h, id)
+				tally.add(id, r)
+				if killed.Load() && r.fromRedis() {
+					redisAfterKill.Add(1)
+				}
+			}
+			time.Sleep(2 * time.Millisecond) // pacing the traffic, not timing a result
+		}
+	}()
+	stopTraffic := func() {
+		select {
+		case <-stop:
+		default:
+			close(stop)
+		}
+		<-done
+	}
+	defer stopTraffic()
+
+	// Between two rounds of traffic: every write so far is on the replica
+	// (so no admission is lost to asynchronous replication), then the
+	// master dies.
+	<-held
+	if n, err := master.Client(t).Do(ctx, "WAIT", 1, 5000).Int(); err != nil || n != 1 {
+		t.Fatalf("WAIT 1 = %d, %v; want the replica to have every write", n, err)
+	}
+	killedAt := time.Now()
+	master.Stop()
+	killed.Store(true)
+	close(resume)
+
+	redistest.WaitFor(t, 20*time.Second, "the sentinels to promote the replica", func() error {
+		a, err := redistest.MasterAddr(ctx, sentinels[0], "mymaster")
+		if err == nil && a != replica.Addr {
+			err = fmt.Errorf("master is %s", a)
+		}
+		return err
+	})
+	promotedAt := time.Now()
+	redistest.WaitFor(t, 10*time.Second, "decisions from the new master", func() error {
+		if redisAfterKill.Load() < int64(20*len(ids)) {
+			return fmt.Errorf("%d decisions from redis since the kill", redisAfterKill.Load())
+		}
+		return nil
+	})
+	stopTraffic()
+
+	admitted := foSum(tally.redisAllowed) + foSum(tally.localAllowed)
+	t.Logf("killed the master at 0s; the sentinels promoted the replica at %v; degraded decisions from %v to %v",
+		promotedAt.Sub(killedAt).Round(time.Millisecond), tally.firstDegraded.Sub(killedAt).Round(time.Millisecond),
+		tally.lastDegraded.Sub(killedAt).Round(time.Millisecond))
+	t.Logf("requests: %d; redis allowed %d, redis denied %d, local allowed %d, local denied %d, failed %d",
+		foSum(tally.redisAllowed)+foSum(tally.redisDenied)+foSum(tally.localAllowed)+foSum(tally.localDenied)+foSum(tally.failed),
+		foSum(tally.redisAllowed), foSum(tally.redisDenied), foSum(tally.localAllowed), foSum(tally.localDenied), foSum(tally.failed))
+	t.Logf("admitted %d, exact %d (%d identities × capacity %d): %d extra admissions, all by the local store during the outage",
+		admitted, capacity*len(ids), len(ids), capacity, admitted-capacity*len(ids))
+	if n := foSum(tally.failed); n != 0 {
+		t.Errorf("%d requests failed during the failover, want 0", n)
+	}
+	if tally.firstDegraded.IsZero() {
+		t.Error("no request was decided without redis: the failover was not exercised")
+	}
+	for _, id := range ids {
+		if n := tally.redisAllowed[id]; n != capacity {
+			t.Errorf("%s: redis admitted %d over the run, want exactly its capacity %d", id, n, capacity)
+		}
+		if n := tally.localAllowed[id]; n > capacity {
+			t.Errorf("%s: the local store admitted %d, more than its capacity %d", id, n, capacity)
+		}
+	}
+	newMaster := replica.Client(t)
+	for _, id := range ids {
+		key := h.keyer.Key("user", id, "")
+		if n, err := newMaster.Exists(ctx, key).Result(); err != nil || n != 1 {
+			t.Errorf("new master: EXISTS %s = %d, %v", key, n, err)
+		}
+	}
+	foWantRedis(t, "after failover", foUser(h, "fresh"), http.StatusOK, capacity-1)
+	if n, err := newMaster.Exists(ctx, h.keyer.Key("user", "fresh", "")).Result(); err != nil || n != 1 {
+		t.Errorf("the decision after the failover was not written to the new master: %d, %v", n, err)
+	}
+}
+
+var foItemRE = regexp.MustCompile(`"([A-Za-z0-9_-]+)";r=(\d+)`)
+
+// foRemaining returns the r= of each item of r's RateLimit header, by name.
+func foRemaining(r foResult) map[string]string {
+	out := map[string]string{}
+	for _, m := range foItemRE.FindAllStringSubmatch(r.header.Get("RateLimit"), -1) {
+		out[m[1]] = m[2]
+	}
+	return out
+}
+
+// foTokens returns the whole tokens a bucket holds in Redis, as last
+// written (without the refill since).
+func foTokens(t *testing.T, c redis.Cmdable, key string) int64 {
+	t.Helper()
+	v, err := c.Get(context.Background(), key).Result()
+	if err != nil {
+		t.Fatalf("GET %s: %v", key, err)
+	}
+	st, err := bucket.DecodeState(v)
+	if err != nil {
+		t.Fatalf("%s: %v", key, err)
+	}
+	return st.Units / st.Scale
+}
+
+// foClusterHandler limits X-User to userCap and X-IP to ipCap requests per
+// hour, in a Redis Cluster.
+func foClusterHandler(rc *RedisConfig, policy string, userCap, ipCap int64) *Handler {
+	return &Handler{
+		Redis: rc,
+		Dimensions: []Dimension{
+			{Name: "user", Identity: "{http.request.header.X-User}"},
+			{Name: "ip", Identity: "{http.request.header.X-IP}"},
+		},
+		Tiers: []Tier{{Name: "default", Limits: []Limit{
+			{Dimension: "user", Capacity: userCap, RefillRate: foHour},
+			{Dimension: "ip", Capacity: ipCap, RefillRate: foHour},
+		}}},
+		OnRedisError: policy,
+	}
+}
+
+// TestClusterExactBurstAcrossSlots runs the handler on a three-master
+// Redis Cluster with a user and an IP limit whose keys live on different
+// nodes: each user gets exactly its capacity, and a request the user
+// bucket denies leaves the IP bucket on the other node uncharged (the
+// refund), so the IP's count is exactly the admitted requests.
+func TestClusterExactBurstAcrossSlots(t *testing.T) {
+	cluster := redistest.StartCluster(t, 3)
+	rc := &RedisConfig{Address: cluster.Addrs(), Cluster: true, Timeout: caddy.Duration(foTimeout)}
+	h := foProvision(t, foClusterHandler(rc, PolicyDeny, 5, 100))
+	const ip = "203.0.113.7"
+	ipKey := h.keyer.Key("ip", ip+"/32", "")
+	ipNode := cluster.NodeOf(t, ipKey)
+
+	users := 0
+	for i := 0; users < 4; i++ {
+		user := "user" + strconv.Itoa(i)
+		if cluster.NodeOf(t, h.keyer.Key("user", user, "")) == ipNode {
+			continue // keep every request on two nodes
+		}
+		users++
+		for n := 0; n < 5; n++ {
+			r := foServe(h, "X-User", user, "X-IP", ip)
+			got := foRemaining(r)
+			wantIP := strconv.Itoa(100 - 5*(users-1) - n - 1)
+			if r.status != http.StatusOK || got["user"] != strconv.Itoa(4-n) || got["ip"] != wantIP {
+				t.Errorf("%s request %d: %d %v; want 200 user r=%d ip r=%s", user, n+1, r.status, got, 4-n, wantIP)
+			}
+		}
+		for n := 0; n < 3; n++ {
+			// The first denial comes from Redis and reports both buckets;
+			// the handler's deny cache may answer the next ones with the
+			// denying bucket alone.
+			r := foServe(h, "X-User", user, "X-IP", ip)
+			got := foRemaining(r)
+			wantIP := strconv.Itoa(100 - 5*users)
+			if r.status != http.StatusTooManyRequests || got["user"] != "0" ||
+				(got["ip"] != wantIP && (n == 0 || got["ip"] != "")) {
+				t.Errorf("%s request %d over the limit: %d %v; want 429 user r=0 ip r=%s", user, n+1, r.status, got, wantIP)
+			}
+		}
+	}
+	if got := foTokens(t, ipNode.Client(t), ipKey); got != 100-5*4 {
+		t.Errorf("ip bucket holds %d tokens after 20 admitted requests and refunded denials, want 80", got)
+	}
+}
+
+// TestClusterLostReplyNotReplayed loses the reply to a script call in a
+// Redis Cluster: the script ran, the connection closed before its reply
+// came back. go-redis's ClusterClient retries such a command (EOF) even
+// with MaxRetries -1 unless it is marked NoRetry, which would run the
+// script again and charge the buckets twice for a request that is then
+// admitted once. The call must fail instead (on_redis_error decides) and
+// every bucket be charged once.
+func TestClusterLostReplyNotReplayed(t *testing.T) {
+	proxy := redistest.StartProxy(t)
+	node := redistest.StartClusterNode(t, "--cluster-announce-ip", "127.0.0.1", "--cluster-announce-port", proxy.PortString())
+	proxy.SetTarget(node.Addr)
+	if err := node.Client(t).Do(context.Background(), "CLUSTER", "ADDSLOTSRANGE", 0, 16383).Err(); err != nil {
+		t.Fatal(err)
+	}
+	(&redistest.Cluster{Nodes: []*redistest.Server{node}}).WaitOK(t)
+	rc := &RedisConfig{Address: []string{proxy.Addr}, Cluster: true, Timeout: caddy.Duration(foTimeout),
+		BreakerFailures: 100}
+	h := foProvision(t, foClusterHandler(rc, PolicyDeny, 10, 10))
+	rdb := node.Client(t)
+
+	for _, tc := range []struct {
+		name    string
+		headers []string // one slot group, or two (a pipeline)
+		keys    []string
+	}{
+		{"one_slot", []string{"X-User", "solo"}, []string{h.keyer.Key("user", "solo", "")}},
+		{"two_slots", []string{"X-User", "pair", "X-IP", "198.51.100.1"},
+			[]string{h.keyer.Key("user", "pair", ""), h.keyer.Key("ip", "198.51.100.1/32", "")}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if r := foServe(h, tc.headers...); r.status != http.StatusOK || !r.fromRedis() {
+				t.Fatalf("first request: %d, degraded %v", r.status, r.degraded)
+			}
+			lost := proxy.Lost()
+			proxy.LoseReplyTo("evalsha")
+			r := foServe(h, tc.headers...)
+			if proxy.Lost() != lost+1 {
+				t.Fatalf("the proxy lost %d replies, want 1", proxy.Lost()-lost)
+			}
+			if r.status != http.StatusServiceUnavailable || !r.degraded {
+				t.Errorf("request whose reply was lost: %d, degraded %v; want 503 by on_redis_error deny", r.status, r.degraded)
+			}
+			for _, key := range tc.keys {
+				if got := foTokens(t, rdb, key); got != 8 {
+					t.Errorf("%s holds %d tokens after one request and one whose reply was lost, want 8 (charged once each)", key, got)
+				}
+			}
+		})
+	}
+}
+
+// TestLocalStoreMillionIdentities fills a default-bounded local store with
+// a million distinct identities, as a flood of spoofed IPs or random API
+// keys would while Redis is down: it never holds more than its bound and
+// its heap stays bounded (under the race detector: 200,000 identities
+// into a store of 100,000, to keep the run short).
+func TestLocalStoreMillionIdentities(t *testing.T) {
+	identities, bound := 1_000_000, bucket.DefaultLocalBuckets
+	if foRace {
+		identities, bound = 200_000, 100_000
+	}
+	rate, _ := bucket.ParseRate("1/h")
+	spec, err := bucket.Limit{Capacity: 10, Rate: rate}.Spec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyer := bucket.NewKeyer("rl:", "")
+	var ms runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&ms)
+	before := ms.HeapAlloc
+
+	l := bucket.NewLocal(bound, nil)
+	takes := []bucket.Take{{Spec: spec, Cost: 1}}
+	keys := make([]string, 1)
+	ctx := context.Background()
+	for i := 0; i < identities; i++ {
+		keys[0] = keyer.Key("ip", "10."+strconv.Itoa(i>>16)+"."+strconv.Itoa(i>>8&255)+"."+strconv.Itoa(i&255), "")
+		if d, _ := l.Take(ctx, keys, takes); !d.Allowed {
+			t.Fatalf("identity %d denied on its first request", i)
+		}
+		if i%50_000 == 0 && l.Len() > bound {
+			t.Fatalf("%d buckets held, bound %d", l.Len(), bound)
+		}
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&ms)
+	heap := int64(ms.HeapAlloc) - int64(before)
+	n := l.Len()
+	t.Logf("local store after %d identities: %d buckets, heap +%.1f MB, %d bytes per bucket (key %d bytes)",
+		identities, n, float64(heap)/(1<<20), heap/int64(n), len(keys[0]))
+	if n != bound {
+		t.Errorf("store holds %d buckets, want its bound %d", n, bound)
+	}
+	if limit := int64(bound) * 400; heap > limit { // 200 MB at the default bound
+		t.Errorf("store heap %d MB, want < %d MB (400 bytes a bucket)", heap>>20, limit>>20)
+	}
+	runtime.KeepAlive(l)
+}
+
+// TestLocalStoreConcurrentBound spends one bucket from many goroutines
+// while others flood the store with new identities past its bound: the
+// store never exceeds the bound, and the race detector sees no race.
+func TestLocalStoreConcurrentBound(t *testing.T) {
+	const bound = 1000
+	rate, _ := bucket.ParseRate("1/h")
+	spec, _ := bucket.Limit{Capacity: 5, Rate: rate}.Spec()
+	l := bucket.NewLocal(bound, nil)
+	ctx := context.Background()
+	var wg sync.WaitGroup
+	var over atomic.Int64
+	for g := 0; g < 8; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; i < 5000; i++ {
+				keys := []string{"k" + strconv.Itoa(g) + ":" + strconv.Itoa(i), "shared"}
+				if _, err := l.Take(ctx, keys, []bucket.Take{{Spec: spec, Cost: 1}, {Spec: spec, Cost: 0}}); err != nil {
+					t.Error(err)
+					return
+				}
+				if l.Len() > bound {
+					over.Add(1)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if over.Load() != 0 || l.Len() != bound {
+		t.Errorf("store exceeded its bound %d times; holds %d, want %d", over.Load(), l.Len(), bound)
+	}
+}
+
+// foCaptureLogs provisions h with the logger writing to a file instead of
+// stderr (the handler's logger writes to stderr when no Caddy config
+// sets up logging), and returns a function that reads what was logged.
+func foCaptureLogs(t *testing.T, dir string, h *Handler) func() string {
+	t.Helper()
+	f, err := os.CreateTemp(dir, "log")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	stderr := os.Stderr
+	os.Stderr = f
+	defer func() { os.Stderr = stderr }()
+	foProvision(t, h)
+	return func() string {
+		b, err := os.ReadFile(f.Name())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(b)
+	}
+}
+
+// TestRedisAuth runs Redis with requirepass and an ACL user. A wrong or
+// missing password is a Redis failure: on_redis_error decides (local
+// admits from memory, deny answers 503). The right password through an
+// {env.*} placeholder, and an ACL user in a URL, work. No password appears
+// in the logs or in a configuration error.
+func TestRedisAuth(t *testing.T) {
+	srv := redistest.Start(t, "--requirepass", "s3cret", "--user", "alice", "on", ">alicepw", "~*", "+@all")
+	with := func(mod func(*RedisConfig)) *RedisConfig {
+		rc := foRedis(srv.Addr)
+		mod(rc)
+		return rc
+	}
+	var logs []func() string
+	logDir := t.TempDir()
+
+	t.Run("wrong_password_local", func(t *testing.T) {
+		h := foHandler(with(func(rc *RedisConfig) { rc.Password = "not-s3cret" }), PolicyLocal, 2)
+		logs = append(logs, foCaptureLogs(t, logDir, h))
+		foWantDegraded(t, "request 1", foUser(h, "u"), http.StatusOK)
+		foWantDegraded(t, "request 2", foUser(h, "u"), http.StatusOK)
+		foWantDegraded(t, "request 3", foUser(h, "u"), http.StatusTooManyRequests)
+	})
+	t.Run("wrong_password_deny", func(t *testing.T) {
+		h := foHandler(with(func(rc *RedisConfig) { rc.Password = "s3cret-not" }), PolicyDeny, 2)
+		logs = append(logs, foCaptureLogs(t, logDir, h))
+		r := foUser(h, "u")
+		foWantDegraded(t, "deny", r, http.StatusServiceUnavailable)
+		if r.body != foUnavailableBody {
+			t.Errorf("body %q", r.body)
+		}
+	})
+	t.Run("no_password", func(t *testing.T) {
+		h := foProvision(t, foHandler(foRedis(srv.Addr), PolicyDeny, 2))
+		foWantDegraded(t, "no password", foUser(h, "u"), http.StatusServiceUnavailable)
+	})
+	t.Run("env_placeholder", func(t *testing.T) {
+		t.Setenv("REDIS_PASSWORD", "s3cret")
+		h := foHandler(with(func(rc *RedisConfig) { rc.Password = "{env.REDIS_PASSWORD}" }), PolicyDeny, 2)
+		logs = append(logs, foCaptureLogs(t, logDir, h))
+		foWantRedis(t, "right password", foUser(h, "u"), http.StatusOK, 1)
+	})
+	t.Run("acl_user_in_url", func(t *testing.T) {
+		t.Setenv("REDIS_URL", "redis://alice:alicepw@"+srv.Addr+"/0")
+		rc := with(func(rc *RedisConfig) { rc.Address, rc.URL = nil, "{env.REDIS_URL}" })
+		h := foHandler(rc, PolicyDeny, 2)
+		logs = append(logs, foCaptureLogs(t, logDir, h))
+		foWantRedis(t, "acl user", foUser(h, "v"), http.StatusOK, 1)
+	})
+	t.Run("bad_url_error_hides_password", func(t *testing.T) {
+		// A URL that does not parse: Caddy logs the provisioning error.
+		t.Setenv("REDIS_URL", "redis://alice:s3cret@"+srv.Addr+"x/0")
+		rc := with(func(rc *RedisConfig) { rc.Address, rc.URL = nil, "{env.REDIS_URL}" })
+		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+		defer cancel()
+		err := foHandler(rc, PolicyDeny, 2).Provision(ctx)
+		if err == nil || strings.Contains(err.Error(), "s3cret") {
+			t.Errorf("provisioning with a malformed URL: %v; want an error without the password", err)
+		}
+		// A literal URL is checked at load time (caddy validate).
+		rc = &RedisConfig{URL: "redis://alice:s3cret@" + srv.Addr, Address: []string{srv.Addr}}
+		if err := rc.validate(); err == nil || strings.Contains(err.Error(), "s3cret") {
+			t.Errorf("validating a URL with an address: %v; want an error without the password", err)
+		}
+		rc = &RedisConfig{URL: "redis://alice:s3cret@" + srv.Addr, Cluster: true}
+		if err := rc.validate(); err == nil || strings.Contains(err.Error(), "s3cret") {
+			t.Errorf("validating a URL with cluster: %v; want an error without the password", err)
+		}
+	})
+
+	var all strings.Builder
+	for _, read := range logs {
+		all.WriteString(read())
+	}
+	text := all.String()
+	if !strings.Contains(text, "WRONGPASS") || !strings.Contains(text, "redis call failed") {
+		t.Errorf("the logs do not show the failed calls; the capture is broken:\n%s", text)
+	}
+	for _, secret := range []string{"s3cret", "alicepw"} {
+		if strings.Contains(text, secret) {
+			t.Errorf("a password (%s) is in the logs:\n%s", secret, text)
+		}
+	}
+}
+
+// TestRedisTLS runs Redis with TLS only, under a CA made by the test. The
+// handler decides through it when given the CA (tls_ca, or a rediss:// URL
+// with tls_ca). With the system roots, or another CA, the server's
+// certificate does not verify and on_redis_error decides; that holds while
+// a handler with the right CA for the same address is running too.
+func TestRedisTLS(t *testing.T) {
+	files := redistest.NewTLSFiles(t)
+	other := redistest.NewTLSFiles(t)
+	srv := redistest.StartTLS(t, files)
+	tlsConf := func(mod func(*RedisConfig)) *RedisConfig {
+		rc := foRedis(srv.Addr)
+		mod(rc)
+		return rc
+	}
+
+	good := foProvision(t, foHandler(tlsConf(func(rc *RedisConfig) { rc.TLSCA = files.CA }), PolicyDeny, 3))
+	foWantRedis(t, "tls_ca", foUser(good, "u"), http.StatusOK, 2)
+
+	url := foProvision(t, foHandler(tlsConf(func(rc *RedisConfig) {
+		rc.Address, rc.URL, rc.TLSCA = nil, "rediss://"+srv.Addr+"/0", files.CA
+	}), PolicyDeny, 3))
+	foWantRedis(t, "rediss:// with tls_ca", foUser(url, "u"), http.StatusOK, 1)
+
+	system := foProvision(t, foHandler(tlsConf(func(rc *RedisConfig) { rc.TLS = true }), PolicyDeny, 3))
+	r := foUser(system, "u")
+	foWantDegraded(t, "tls with the system roots", r, http.StatusServiceUnavailable)
+
+	wrong := foProvision(t, foHandler(tlsConf(func(rc *RedisConfig) { rc.TLSCA = other.CA }), PolicyLocal, 3))
+	foWantDegraded(t, "tls_ca of another CA", foUser(wrong, "u"), http.StatusOK)
+
+	plain := foProvision(t, foHandler(foRedis(srv.Addr), PolicyDeny, 3))
+	foWantDegraded(t, "no tls", foUser(plain, "u"), http.StatusServiceUnavailable)
+
+	foWantRedis(t, "tls_ca again", foUser(good, "u"), http.StatusOK, 0)
+}
+
+// foReady provisions a readiness handler.
+func foReady(t *testing.T, rd *Ready) *Ready {
+	t.Helper()
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	if err := rd.Provision(ctx); err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		rd.Cleanup()
+		cancel()
+	})
+	return rd
+}
+
+// TestReadiness probes token_bucket_ready: 200 "ready" while Redis
+// answers, 503 "unavailable" once it is stopped, and 200 "degraded" then
+// with allow_degraded; the breaker state it reports is the handlers'.
+func TestReadiness(t *testing.T) {
+	srv := redistest.Start(t)
+	rc := func() *RedisConfig {
+		rc := foRedis(srv.Addr)
+		rc.BreakerCooldown = caddy.Duration(time.Hour) // stays open once open
+		return rc
+	}
+	strict := foReady(t, &Ready{Redis: rc()})
+	lenient := foReady(t, &Ready{Redis: rc(), AllowDegraded: true})
+	h := foProvision(t, foHandler(rc(), PolicyLocal, 3))
+
+	want := func(what string, rd *Ready, status int, body string) {
+		t.Helper()
+		r := foServe(rd)
+		if r.status != status || r.body != body || r.header.Get("Content-Type") != "application/json" {
+			t.Errorf("%s: %d %q (%s); want %d %q", what, r.status, r.body, r.header.Get("Content-Type"), status, body)
+		}
+		if r.passed {
+			t.Errorf("%s: the probe called the next handler", what)
+		}
+	}
+	want("up", strict, http.StatusOK, `{"status":"ready","redis":"up","breaker":"closed"}`+"\n")
+	want("up, allow_degraded", lenient, http.StatusOK, `{"status":"ready","redis":"up","breaker":"closed"}`+"\n")
+
+	srv.Stop()
+	want("down", strict, http.StatusServiceUnavailable, `{"status":"unavailable","redis":"down","breaker":"closed"}`+"\n")
+	want("down, allow_degraded", lenient, http.StatusOK, `{"status":"degraded","redis":"down","breaker":"closed"}`+"\n")
+	for i := 0; i < 3; i++ {
+		foUser(h, "u")
+	}
+	want("down, breaker open", strict, http.StatusServiceUnavailable, `{"status":"unavailable","redis":"down","breaker":"open"}`+"\n")
+
+	srv.Restart(t)
+	redistest.WaitFor(t, 5*time.Second, "the probe to see redis again", func() error {
+		if r := foServe(strict); r.status != http.StatusOK {
+			return fmt.Errorf("%d %s", r.status, r.body)
+		}
+		return nil
+	})
+}

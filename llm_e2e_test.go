@@ -1,0 +1,1176 @@
+package tokenbucket
+
+import (
+	"bufio"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httptrace"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddytest"
+
+	"github.com/token-bucket/token_bucket/bucket"
+	"github.com/token-bucket/token_bucket/internal/redistest"
+)
+
+// ---------------------------------------------------------------------------
+// A fake LLM API: OpenAI chat completions and Anthropic messages, JSON and
+// server-sent events, with the usage a test asks for.
+
+// llmUpstream is an in-process LLM API on 127.0.0.1. Each request is
+// controlled by headers that reverse_proxy passes through:
+//
+//	X-Test-Usage: <a>,<b>      usage to report: prompt_tokens,completion_tokens
+//	                           (OpenAI) or input_tokens,output_tokens
+//	                           (Anthropic); absent: no usage object
+//	X-Test-Tokens-Used: <n>    echoed as the response header X-Tokens-Used
+//
+// "stream": true in the body makes it stream (text/event-stream, one flush
+// per event); OpenAI streams end with a usage chunk only when
+// stream_options.include_usage is true. Every answer carries X-Body-Sha256
+// and X-Body-Length of the body it received. When keys are watched, it
+// reads them from Redis as it answers: the buckets after the limiter's
+// charge and before its settlement.
+type llmUpstream struct {
+	srv *httptest.Server
+
+	mu    sync.Mutex
+	rdb   *redis.Client
+	watch []string
+	gate  chan struct{} // non-nil: a stream waits for it after its first event
+	seen  []llmSeen
+}
+
+// llmSeen is what the upstream saw of one request.
+type llmSeen struct {
+	path   string
+	sha256 string
+	length int
+	state  map[string]string // watched keys: raw values ("" for none)
+}
+
+func startLLMUpstream(t *testing.T) *llmUpstream {
+	t.Helper()
+	u := &llmUpstream{}
+	u.srv = httptest.NewServer(http.HandlerFunc(u.serve))
+	t.Cleanup(func() {
+		u.release()
+		u.srv.Close()
+	})
+	return u
+}
+
+// watchKeys makes the upstream read keys from rdb on every request.
+func (u *llmUpstream) watchKeys(rdb *redis.Client, keys ...string) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	u.rdb, u.watch = rdb, keys
+}
+
+// hold makes streams wait after their first event until release.
+func (u *llmUpstream) hold() {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	u.gate = make(chan struct{})
+}
+
+func (u *llmUpstream) release() {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.gate != nil {
+		close(u.gate)
+		u.gate = nil
+	}
+}
+
+// requests returns what the upstream has seen so far.
+func (u *llmUpstream) requests() []llmSeen {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return append([]llmSeen(nil), u.seen...)
+}
+
+// last returns the last request the upstream saw.
+func (u *llmUpstream) last(t *testing.T) llmSeen {
+	t.Helper()
+	seen := u.requests()
+	if len(seen) == 0 {
+		t.Fatal("the upstream saw no request")
+	}
+	return seen[len(seen)-1]
+}
+
+func (u *llmUpstream) serve(w http.ResponseWriter, r *http.Request) {
+	body, err := io.ReadAll(r.Body)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	sum := sha256.Sum256(body)
+	seen := llmSeen{path: r.URL.Path, sha256: hex.EncodeToString(sum[:]), length: len(body)}
+	u.mu.Lock()
+	rdb, watch, gate := u.rdb, u.watch, u.gate
+	u.mu.Unlock()
+	if len(watch) > 0 {
+		seen.state = make(map[string]string, len(watch))
+		for _, k := range watch {
+			v, err := rdb.Get(r.Context(), k).Result()
+			if err != nil && err != redis.Nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			seen.state[k] = v
+		}
+	}
+	u.mu.Lock()
+	u.seen = append(u.seen, seen)
+	u.mu.Unlock()
+
+	var req struct {
+		Stream        bool `json:"stream"`
+		StreamOptions struct {
+			IncludeUsage bool `json:"include_usage"`
+		} `json:"stream_options"`
+	}
+	_ = json.Unmarshal(body, &req) // a body that is not JSON gets a JSON answer
+	h := w.Header()
+	h.Set("X-Body-Sha256", seen.sha256)
+	h.Set("X-Body-Length", strconv.Itoa(seen.length))
+	if v := r.Header.Get("X-Test-Tokens-Used"); v != "" {
+		h.Set("X-Tokens-Used", v)
+	}
+	a, b, hasUsage := llmTestUsage(r.Header.Get("X-Test-Usage"))
+	switch {
+	case r.URL.Path == "/v1/chat/completions" && req.Stream:
+		llmStream(w, r, gate, openAIStream(a, b, hasUsage && req.StreamOptions.IncludeUsage))
+	case r.URL.Path == "/v1/chat/completions":
+		llmJSON(w, openAIJSON(a, b, hasUsage))
+	case r.URL.Path == "/v1/messages" && req.Stream:
+		llmStream(w, r, gate, anthropicStream(a, b))
+	case r.URL.Path == "/v1/messages":
+		llmJSON(w, anthropicJSON(a, b, hasUsage))
+	default:
+		http.NotFound(w, r)
+	}
+}
+
+// llmTestUsage reads X-Test-Usage: "<a>,<b>".
+func llmTestUsage(v string) (a, b int64, ok bool) {
+	as, bs, found := strings.Cut(v, ",")
+	if !found {
+		return 0, 0, false
+	}
+	a, err1 := strconv.ParseInt(as, 10, 64)
+	b, err2 := strconv.ParseInt(bs, 10, 64)
+	return a, b, err1 == nil && err2 == nil
+}
+
+func llmJSON(w http.ResponseWriter, body string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
+	io.WriteString(w, body)
+}
+
+// llmStream writes events, flushing each; with a gate, it waits after the
+// first one until the gate closes.
+func llmStream(w http.ResponseWriter, r *http.Request, gate chan struct{}, events []string) {
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.Header().Set("Cache-Control", "no-cache")
+	rc := http.NewResponseController(w)
+	for i, ev := range events {
+		if _, err := io.WriteString(w, ev); err != nil {
+			return
+		}
+		if err := rc.Flush(); err != nil {
+			return
+		}
+		if i == 0 && gate != nil {
+			select {
+			case <-gate:
+			case <-r.Context().Done():
+				return
+			}
+		}
+	}
+}
+
+func openAIJSON(prompt, completion int64, withUsage bool) string {
+	usage := ""
+	if withUsage {
+		usage = fmt.Sprintf(`,"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,`+
+			`"prompt_tokens_details":{"cached_tokens":0},"completion_tokens_details":{"reasoning_tokens":0}}`,
+			prompt, completion, prompt+completion)
+	}
+	return `{"id":"chatcmpl-test","object":"chat.completion","created":1700000000,"model":"gpt-test",` +
+		`"choices":[{"index":0,"message":{"role":"assistant","content":"Hello there."},"finish_reason":"stop"}]` +
+		usage + `}`
+}
+
+// openAIStream is a chat completion stream; with include_usage every chunk
+// has "usage":null and a last chunk with no choices carries the usage.
+func openAIStream(prompt, completion int64, withUsage bool) []string {
+	nullUsage := ""
+	if withUsage {
+		nullUsage = `,"usage":null`
+	}
+	chunk := func(delta, finish string) string {
+		return `data: {"id":"chatcmpl-test","object":"chat.completion.chunk","created":1700000000,"model":"gpt-test",` +
+			`"choices":[{"index":0,"delta":` + delta + `,"finish_reason":` + finish + `}]` + nullUsage + "}\n\n"
+	}
+	events := []string{
+		chunk(`{"role":"assistant","content":""}`, "null"),
+		chunk(`{"content":"Hello"}`, "null"),
+		chunk(`{"content":" there."}`, "null"),
+		chunk(`{}`, `"stop"`),
+	}
+	if withUsage {
+		events = append(events, fmt.Sprintf(`data: {"id":"chatcmpl-test","object":"chat.completion.chunk","created":1700000000,`+
+			`"model":"gpt-test","choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}`+"\n\n",
+			prompt, completion, prompt+completion))
+	}
+	return append(events, "data: [DONE]\n\n")
+}
+
+func anthropicJSON(input, output int64, withUsage bool) string {
+	usage := ""
+	if withUsage {
+		usage = fmt.Sprintf(`,"usage":{"input_tokens":%d,"cache_creation_input_tokens":0,"cache_read_input_tokens":0,"output_tokens":%d}`,
+			input, output)
+	}
+	return `{"id":"msg_test","type":"message","role":"assistant","model":"claude-test",` +
+		`"content":[{"type":"text","text":"Hello there."}],"stop_reason":"end_turn","stop_sequence":null` + usage + `}`
+}
+
+// anthropicStream is a Messages stream: message_start carries the input
+// tokens (and output_tokens 1 so far), message_delta the final output
+// tokens.
+func anthropicStream(input, output int64) []string {
+	ev := func(name, data string) string { return "event: " + name + "\ndata: " + data + "\n\n" }
+	return []string{
+		ev("message_start", fmt.Sprintf(`{"type":"message_start","message":{"id":"msg_test","type":"message","role":"assistant",`+
+			`"model":"claude-test","content":[],"stop_reason":null,"stop_sequence":null,`+
+			`"usage":{"input_tokens":%d,"cache_creation_input_tokens":0,"cache_read_input_tokens":0,"output_tokens":1}}}`, input)),
+		ev("content_block_start", `{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}`),
+		ev("ping", `{"type": "ping"}`),
+		ev("content_block_delta", `{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hello"}}`),
+		ev("content_block_delta", `{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":" there."}}`),
+		ev("content_block_stop", `{"type":"content_block_stop","index":0}`),
+		ev("message_delta", fmt.Sprintf(`{"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},"usage":{"output_tokens":%d}}`, output)),
+		ev("message_stop", `{"type":"message_stop"}`),
+	}
+}
+
+// ---------------------------------------------------------------------------
+// A gateway in front of the fake upstream.
+
+// llmGateway is a Caddy with token_bucket and reverse_proxy in front of an
+// llmUpstream, and a client that keeps one connection: HTTP/1.1 serves the
+// requests of one connection in turn, so a request answered on it proves
+// that the handler of the one before (and its settlement) has returned.
+type llmGateway struct {
+	*e2eGateway
+	up     *llmUpstream
+	client *http.Client
+}
+
+// llmSite is a site that answers /sync itself and sends everything else
+// through limiter (a token_bucket block) to upstream; X-Estimated-Cost
+// shows {http.token_bucket.cost}.
+func llmSite(upstream, limiter string) string {
+	return `
+	header >X-Estimated-Cost {http.token_bucket.cost}
+	handle /sync {
+		respond "synced"
+	}
+	handle {
+		` + limiter + `
+		reverse_proxy ` + upstream + `
+	}`
+}
+
+// llmLimiter is a token_bucket on the X-User header with the tier's limits
+// and the extra subdirectives (cost estimate, settle, ...).
+func llmLimiter(limits, extra string) string {
+	return `token_bucket {
+			redis redis://REDIS_ADDR {
+				timeout 10s
+			}
+			dimension user {http.request.header.X-User}
+			tier free {
+				` + limits + `
+			}
+			` + extra + `
+		}`
+}
+
+func startLLMGateway(t *testing.T, limiter string) *llmGateway {
+	t.Helper()
+	// caddytest skips a test whose prerequisites are missing; here that is
+	// a failure.
+	t.Cleanup(func() {
+		if t.Skipped() {
+			t.Error("the end-to-end test was skipped: Caddy or Redis could not start")
+		}
+	})
+	up := startLLMUpstream(t)
+	g := startGateway(t, llmSite(strings.TrimPrefix(up.srv.URL, "http://"), limiter))
+	tr := &http.Transport{MaxConnsPerHost: 1, MaxIdleConnsPerHost: 1, DisableCompression: true}
+	t.Cleanup(tr.CloseIdleConnections)
+	return &llmGateway{e2eGateway: g, up: up, client: &http.Client{Transport: tr, Timeout: time.Minute}}
+}
+
+// post sends body to path with the headers given as name, value pairs.
+func (lg *llmGateway) post(path, body string, headers ...string) e2eResponse {
+	lg.t.Helper()
+	r, err := lg.do(context.Background(), http.MethodPost, path, body, headers...)
+	if err != nil {
+		lg.t.Fatal(err)
+	}
+	return r
+}
+
+func (lg *llmGateway) do(ctx context.Context, method, path, body string, headers ...string) (e2eResponse, error) {
+	req, err := http.NewRequestWithContext(ctx, method, strings.TrimSuffix(lg.url, "/")+path, strings.NewReader(body))
+	if err != nil {
+		return e2eResponse{}, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Set(headers[i], headers[i+1])
+	}
+	res, err := lg.client.Do(req)
+	if err != nil {
+		return e2eResponse{}, err
+	}
+	defer res.Body.Close()
+	b, err := io.ReadAll(res.Body)
+	if err != nil {
+		return e2eResponse{}, err
+	}
+	return e2eResponse{status: res.StatusCode, header: res.Header, body: string(b)}, nil
+}
+
+// sync returns once the handler of the previous request has returned: it
+// sends GET /sync on the same connection, which the server reads only
+// after that handler is done (whatever the answer: a site without /sync
+// answers it too). It fails if the connection was not reused.
+func (lg *llmGateway) sync() {
+	lg.t.Helper()
+	reused := false
+	trace := &httptrace.ClientTrace{GotConn: func(info httptrace.GotConnInfo) { reused = info.Reused }}
+	if _, err := lg.do(httptrace.WithClientTrace(context.Background(), trace), http.MethodGet, "/sync", ""); err != nil {
+		lg.t.Fatalf("sync: %v", err)
+	}
+	if !reused {
+		lg.t.Fatal("sync: a new connection was dialed, so it does not prove the previous request finished")
+	}
+}
+
+// state returns the bucket stored at key; ok is false when there is none
+// (a full bucket).
+func (lg *llmGateway) state(key string) (st bucket.State, ok bool) {
+	lg.t.Helper()
+	v := lg.value(key)
+	if v == "" {
+		return bucket.State{}, false
+	}
+	st, err := bucket.DecodeState(v)
+	if err != nil {
+		lg.t.Fatalf("%s: %v", key, err)
+	}
+	return st, true
+}
+
+// redisMicros returns the Redis clock in microseconds.
+func (lg *llmGateway) redisMicros() int64 {
+	lg.t.Helper()
+	now, err := lg.rdb.Time(context.Background()).Result()
+	if err != nil {
+		lg.t.Fatalf("TIME: %v", err)
+	}
+	return now.UnixMicro()
+}
+
+// markers returns the settlement markers of key.
+func (lg *llmGateway) markers(key string) []string {
+	lg.t.Helper()
+	var out []string
+	for _, k := range lg.keys() {
+		if strings.HasPrefix(k, key+":settled:") {
+			out = append(out, k)
+		}
+	}
+	return out
+}
+
+// wholeTokens is ⌊units/scale⌋ (units may be negative: a debt).
+func wholeTokens(st bucket.State) int64 {
+	q := st.Units / st.Scale
+	if st.Units%st.Scale != 0 && st.Units < 0 {
+		q--
+	}
+	return q
+}
+
+// llmSpec compiles a limit written as in the Caddyfile.
+func llmSpec(t *testing.T, capacity int64, refill string) bucket.Spec {
+	t.Helper()
+	rate, err := bucket.ParseRate(refill)
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec, err := bucket.Limit{Capacity: capacity, Rate: rate}.Spec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return spec
+}
+
+// wantSettled checks the bucket at key after a request that the upstream
+// saw: it holds wantTokens whole tokens, and it is exactly what
+// bucket.SettleState (the model of settle.lua) makes of the state the
+// upstream saw, after the estimate was charged, with delta more tokens,
+// at the time the settlement stored. One marker records the settlement.
+func (lg *llmGateway) wantSettled(what, key string, spec bucket.Spec, seen llmSeen, delta, wantTokens int64) {
+	lg.t.Helper()
+	before, err := bucket.DecodeState(seen.state[key])
+	if err != nil {
+		lg.t.Fatalf("%s: the bucket the upstream saw: %v", what, err)
+	}
+	after, ok := lg.state(key)
+	if !ok {
+		lg.t.Fatalf("%s: no bucket stored after the settlement", what)
+	}
+	model, kept := bucket.SettleState(after.Last, spec, before, delta)
+	if !kept || model != after {
+		lg.t.Errorf("%s: stored %+v, want the model's %+v (kept %v) from %+v with delta %d", what, after, model, kept, before, delta)
+	}
+	if got := wholeTokens(after); got != wantTokens {
+		lg.t.Errorf("%s: %d whole tokens after the settlement, want %d", what, got, wantTokens)
+	}
+	if m := lg.markers(key); len(m) != 1 {
+		lg.t.Errorf("%s: settlement markers %q, want one", what, m)
+	}
+}
+
+// Request bodies whose estimate is 500 tokens: 40 characters of text
+// (⌈40/4⌉ = 10) and a completion budget of 490.
+const (
+	chat500 = `{"model":"gpt-test","messages":[{"role":"user","content":"0123456789012345678901234567890123456789"}],"max_tokens":490}`
+	// stream_options.include_usage asks for the final usage chunk.
+	chatStream500 = `{"model":"gpt-test","stream":true,"stream_options":{"include_usage":true},` +
+		`"messages":[{"role":"user","content":"0123456789012345678901234567890123456789"}],"max_tokens":490}`
+	chatStreamNoUsage500 = `{"model":"gpt-test","stream":true,` +
+		`"messages":[{"role":"user","content":"0123456789012345678901234567890123456789"}],"max_tokens":490}`
+	// Anthropic: a system string of 16 characters and a message of 24.
+	messages500 = `{"model":"claude-test","max_tokens":490,"system":"0123456789abcdef",` +
+		`"messages":[{"role":"user","content":"0123456789abcdef01234567"}]}`
+	messagesStream500 = `{"model":"claude-test","max_tokens":490,"stream":true,"system":"0123456789abcdef",` +
+		`"messages":[{"role":"user","content":"0123456789abcdef01234567"}]}`
+)
+
+// ---------------------------------------------------------------------------
+// Settlement, end to end.
+
+// TestSettleEndToEnd: a tokens bucket of 10000 refilled at 1 token an hour
+// (so the refill during a test is a few millionths of a token), with cost
+// estimate and settle. Each case is a fresh user whose request is
+// estimated at 500 tokens; the bucket ends at exactly 10000 − used, stored
+// exactly as the Go model of settle.lua computes it from the state the
+// upstream saw, and the next request of the user sees 10000 − used − 500.
+func TestSettleEndToEnd(t *testing.T) {
+	const capacity = 10000
+	lg := startLLMGateway(t, llmLimiter("user 10000 1/1h tokens", "cost estimate\n\t\t\tsettle"))
+	spec := llmSpec(t, capacity, "1/1h")
+	for _, tc := range []struct {
+		name, path, body, usage string
+		used                    int64 // -1: no usage reported
+	}{
+		// 320 used of 500 estimated: 180 given back.
+		{"openai_json_refund", "/v1/chat/completions", chat500, "100,220", 320},
+		// 900 used of 500: 400 more charged.
+		{"openai_json_charge", "/v1/chat/completions", chat500, "400,500", 900},
+		// The same usage in the last chunk of a stream settles the same.
+		{"openai_stream_refund", "/v1/chat/completions", chatStream500, "100,220", 320},
+		{"openai_stream_charge", "/v1/chat/completions", chatStream500, "400,500", 900},
+		// Anthropic: input_tokens + output_tokens.
+		{"anthropic_json", "/v1/messages", messages500, "120,200", 320},
+		{"anthropic_stream", "/v1/messages", messagesStream500, "120,200", 320},
+		{"anthropic_stream_charge", "/v1/messages", messagesStream500, "700,200", 900},
+		// No usage object, or a stream without include_usage: the
+		// estimate stands.
+		{"openai_json_no_usage", "/v1/chat/completions", chat500, "", -1},
+		{"openai_stream_without_include_usage", "/v1/chat/completions", chatStreamNoUsage500, "100,220", -1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			lg.t = t
+			user := "user-" + tc.name
+			key := bucket.NewKeyer("rl:", "").Key("user", user, "tokens")
+			lg.up.watchKeys(lg.rdb, key)
+			r := lg.post(tc.path, tc.body, "X-User", user, "X-Test-Usage", tc.usage)
+			if r.status != http.StatusOK {
+				t.Fatalf("status %d: %s", r.status, r.body)
+			}
+			// The client sees the decision before the usage is known.
+			wantHeaders(t, "response", r.header,
+				"X-Estimated-Cost", "500",
+				"X-RateLimit-Remaining", "9500",
+				"RateLimit", `"user-tokens";r=9500;t=1800000`)
+			lg.sync()
+			seen := lg.up.last(t)
+			if got, _ := bucket.DecodeState(seen.state[key]); wholeTokens(got) != capacity-500 {
+				t.Fatalf("the upstream saw %d whole tokens, want %d (the estimate charged)", wholeTokens(got), capacity-500)
+			}
+			if tc.used < 0 {
+				// Settled at the estimate: no script ran, not a bit changed.
+				if v := lg.value(key); v != seen.state[key] {
+					t.Errorf("bucket changed without usage: %x, then %x", seen.state[key], v)
+				}
+				if m := lg.markers(key); len(m) != 0 {
+					t.Errorf("markers %q without usage", m)
+				}
+				tc.used = 500
+			} else {
+				lg.wantSettled("after settlement", key, spec, seen, tc.used-500, capacity-tc.used)
+			}
+			// The next request is decided on the settled bucket.
+			r = lg.post(tc.path, tc.body, "X-User", user)
+			want := strconv.FormatInt(capacity-tc.used-500, 10)
+			if r.status != http.StatusOK || r.header.Get("X-RateLimit-Remaining") != want {
+				t.Errorf("next request: %d, remaining %q, want 200, %s", r.status, r.header.Get("X-RateLimit-Remaining"), want)
+			}
+			lg.sync()
+		})
+	}
+}
+
+// TestSettleHeaderMode: with settle header X-Tokens-Used, the header's
+// count settles and the body (which reports other usage) is not read.
+func TestSettleHeaderMode(t *testing.T) {
+	lg := startLLMGateway(t, llmLimiter("user 10000 1/1h tokens", "cost estimate\n\t\t\tsettle header X-Tokens-Used"))
+	spec := llmSpec(t, 10000, "1/1h")
+	for _, tc := range []struct {
+		name, tokensUsed string
+		want             int64 // whole tokens after; -1: unchanged
+	}{
+		{"refund", "320", 10000 - 320},
+		{"charge", "900", 10000 - 900},
+		{"not_a_number", "lots", -1},
+		{"negative", "-5", -1},
+		{"absent", "", -1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			lg.t = t
+			user := "header-" + tc.name
+			key := bucket.NewKeyer("rl:", "").Key("user", user, "tokens")
+			lg.up.watchKeys(lg.rdb, key)
+			r := lg.post("/v1/chat/completions", chat500, "X-User", user, "X-Test-Usage", "1,1", "X-Test-Tokens-Used", tc.tokensUsed)
+			if r.status != http.StatusOK || r.header.Get("X-Tokens-Used") != tc.tokensUsed {
+				t.Fatalf("%d, X-Tokens-Used %q", r.status, r.header.Get("X-Tokens-Used"))
+			}
+			lg.sync()
+			seen := lg.up.last(t)
+			if tc.want < 0 {
+				if v := lg.value(key); v != seen.state[key] {
+					t.Errorf("bucket changed: %x, then %x", seen.state[key], v)
+				}
+				return
+			}
+			lg.wantSettled("header", key, spec, seen, 10000-tc.want-500, tc.want)
+		})
+	}
+}
+
+// TestSettleDebtDelaysNextRequest: a bucket of 1000 refilled at 1000 a
+// minute (1 token per 60 ms). A request estimated at 500 that used 1500
+// leaves the bucket 500 tokens in debt: T' = −500. By DESIGN §2 a request
+// of cost c then waits (c − T')/r: a peek (cost 0) exactly debt/refill =
+// 500 / (1000/60 s) = 30 s, a request of 500 tokens 60 s, less the refill
+// since the charge, which the test brackets between two readings of the
+// Redis clock. The denial reports 0 remaining, never a negative count.
+func TestSettleDebtDelaysNextRequest(t *testing.T) {
+	lg := startLLMGateway(t, llmLimiter("user 1000 1000/1m tokens", "cost estimate\n\t\t\tsettle"))
+	spec := llmSpec(t, 1000, "1000/1m")
+	key := bucket.NewKeyer("rl:", "").Key("user", "agent", "tokens")
+	lg.up.watchKeys(lg.rdb, key)
+
+	const est = `{"model":"gpt-test","messages":[],"max_tokens":500}`
+	r := lg.post("/v1/chat/completions", est, "X-User", "agent", "X-Test-Usage", "1000,500")
+	if r.status != http.StatusOK {
+		t.Fatalf("first request: %d %s", r.status, r.body)
+	}
+	wantHeaders(t, "first request", r.header, "X-Estimated-Cost", "500", "X-RateLimit-Remaining", "500")
+	lg.sync()
+	seen := lg.up.last(t)
+	charged, _ := bucket.DecodeState(seen.state[key])
+	settled, ok := lg.state(key)
+	if !ok {
+		t.Fatal("no bucket after the settlement")
+	}
+	// 1000 more tokens: 500 held (plus the refill since the charge) − 1000.
+	if model, _ := bucket.SettleState(settled.Last, spec, charged, 1000); model != settled {
+		t.Fatalf("settled bucket %+v, want the model's %+v", settled, model)
+	}
+	if wholeTokens(settled) >= 0 {
+		t.Fatalf("bucket holds %d whole tokens after using 1500, want a debt", wholeTokens(settled))
+	}
+
+	for _, tc := range []struct {
+		name, body string
+		cost       int64
+		waitS      int64 // (cost + 500) / (1000/60) seconds
+	}{
+		{"peek", `{"model":"gpt-test","messages":[],"max_tokens":0}`, 0, 30},
+		{"cost_500", est, 500, 60},
+	} {
+		t0 := lg.redisMicros()
+		r := lg.post("/v1/chat/completions", tc.body, "X-User", "agent")
+		t1 := lg.redisMicros()
+		if r.status != http.StatusTooManyRequests {
+			t.Fatalf("%s: status %d, want 429: %s", tc.name, r.status, r.body)
+		}
+		ms, err := strconv.ParseInt(r.header.Get("Retry-After-Ms"), 10, 64)
+		if err != nil {
+			t.Fatalf("%s: Retry-After-Ms %q", tc.name, r.header.Get("Retry-After-Ms"))
+		}
+		// The model decides the same request at the earliest and the
+		// latest time Redis could have: the wait only shrinks with time.
+		early := bucket.Decide(t0, []bucket.Take{{Spec: spec, Cost: tc.cost}}, []bucket.State{settled}, []bool{false})
+		late := bucket.Decide(t1, []bucket.Take{{Spec: spec, Cost: tc.cost}}, []bucket.State{settled}, []bool{false})
+		if ms > early.RetryAfterMS || ms < late.RetryAfterMS {
+			t.Errorf("%s: Retry-After-Ms %d, want the model's wait between %d and %d", tc.name, ms, late.RetryAfterMS, early.RetryAfterMS)
+		}
+		// The same wait in closed form: (cost + 500) tokens at 60 ms each,
+		// less the whole milliseconds of refill since the charge.
+		want := func(at int64) int64 { return tc.waitS*1000 - (at-charged.Last)/1000 }
+		if ms > want(t0) || ms < want(t1) {
+			t.Errorf("%s: Retry-After-Ms %d, want %d s less the refill: between %d and %d", tc.name, ms, tc.waitS, want(t1), want(t0))
+		}
+		wantAfter := strconv.FormatInt((ms+999)/1000, 10)
+		if t1-charged.Last < 1_000_000 {
+			wantAfter = strconv.FormatInt(tc.waitS, 10) // under a second since the charge
+		}
+		wantHeaders(t, tc.name, r.header,
+			"Retry-After", wantAfter,
+			"X-RateLimit-Remaining", "0",
+			"RateLimit", `"user-tokens";r=0;t=`+wantAfter)
+		wantBody := fmt.Sprintf(`{"error":"rate_limit_exceeded","retry_after":%s,"retry_after_ms":%d,"tier":"free","dimension":"user"}`+"\n", wantAfter, ms)
+		if r.body != wantBody {
+			t.Errorf("%s: body %q, want %q", tc.name, r.body, wantBody)
+		}
+		t.Logf("%s: debt %d tokens, Retry-After %s, Retry-After-Ms %d (%.1f ms since the charge)",
+			tc.name, -wholeTokens(settled), r.header.Get("Retry-After"), ms, float64(t1-charged.Last)/1000)
+	}
+	if v, _ := lg.state(key); v != settled {
+		t.Errorf("denials wrote the bucket: %+v, then %+v", settled, v)
+	}
+	if n := len(lg.up.requests()); n != 1 {
+		t.Errorf("the upstream saw %d requests, want 1", n)
+	}
+}
+
+// TestSettleStreamPassesThrough: a streamed response reaches the client
+// event by event while the handler keeps its tail for the usage: the client
+// reads the first event while the upstream holds back the rest.
+func TestSettleStreamPassesThrough(t *testing.T) {
+	lg := startLLMGateway(t, llmLimiter("user 10000 1/1h tokens", "cost estimate\n\t\t\tsettle"))
+	key := bucket.NewKeyer("rl:", "").Key("user", "streamer", "tokens")
+	lg.up.watchKeys(lg.rdb, key)
+	lg.up.hold()
+	req, err := http.NewRequest(http.MethodPost, lg.url+"v1/chat/completions", strings.NewReader(chatStream500))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("X-User", "streamer")
+	req.Header.Set("X-Test-Usage", "100,220")
+	res, err := lg.client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res.Body.Close()
+	if res.StatusCode != http.StatusOK || res.Header.Get("Content-Type") != "text/event-stream" {
+		t.Fatalf("%d %q", res.StatusCode, res.Header.Get("Content-Type"))
+	}
+	br := bufio.NewReader(res.Body)
+	first, err := br.ReadString('\n')
+	if err != nil || !strings.HasPrefix(first, `data: {"id":"chatcmpl-test"`) || !strings.Contains(first, `"role":"assistant"`) {
+		t.Fatalf("first event %q, %v", first, err)
+	}
+	lg.up.release()
+	rest, err := io.ReadAll(br)
+	if err != nil {
+		t.Fatal(err)
+	}
+	events := strings.Count(first+string(rest), "data: ")
+	if events != 6 || !strings.HasSuffix(string(rest), "data: [DONE]\n\n") {
+		t.Errorf("%d events, ending %q; want 6 ending with [DONE]", events, string(rest)[max(0, len(rest)-20):])
+	}
+	lg.sync()
+	lg.wantSettled("stream", key, llmSpec(t, 10000, "1/1h"), lg.up.last(t), 320-500, 10000-320)
+}
+
+// TestSettleOnceDirect: settling a request id twice changes the buckets
+// once: the second call returns false and leaves every bit as it was.
+func TestSettleOnceDirect(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	spec := llmSpec(t, 10000, "1/1h")
+	keyer := bucket.NewKeyer("rl:", "")
+	keys := []string{keyer.Key("user", "alice", "tokens"), keyer.Key("user", "alice", "tokens-2")}
+	store := bucket.Redis{Client: rdb}
+	// Charge 500 on both, as the limiter does before the upstream.
+	d, err := store.Take(ctx, keys, []bucket.Take{{Spec: spec, Cost: 500}, {Spec: spec, Cost: 500}})
+	if err != nil || !d.Allowed {
+		t.Fatalf("take: %+v %v", d, err)
+	}
+	adj := []bucket.Adjust{{Spec: spec, Delta: -180}, {Spec: spec, Delta: -180}}
+	ok, err := store.Settle(ctx, "req-1", keys, adj)
+	if err != nil || !ok {
+		t.Fatalf("first settle: %v %v, want true", ok, err)
+	}
+	after := make([]string, len(keys))
+	for i, k := range keys {
+		after[i] = rdb.Get(ctx, k).Val()
+		st, err := bucket.DecodeState(after[i])
+		if err != nil || wholeTokens(st) != 10000-320 {
+			t.Fatalf("%s after the settlement: %+v %v, want %d whole tokens", k, st, err, 10000-320)
+		}
+	}
+	for _, again := range []int64{-180, 400} { // a retry, or a second reading of other usage
+		ok, err := store.Settle(ctx, "req-1", keys, []bucket.Adjust{{Spec: spec, Delta: again}, {Spec: spec, Delta: again}})
+		if err != nil || ok {
+			t.Fatalf("second settle of req-1 (delta %d): %v %v, want false", again, ok, err)
+		}
+		for i, k := range keys {
+			if v := rdb.Get(ctx, k).Val(); v != after[i] {
+				t.Errorf("second settle of req-1 changed %s: %x, then %x", k, after[i], v)
+			}
+		}
+	}
+	// The marker lives on the first key's slot for bucket.SettleTTL.
+	ttl := rdb.PTTL(ctx, keys[0]+":settled:req-1").Val()
+	if ttl <= bucket.SettleTTL-time.Minute || ttl > bucket.SettleTTL {
+		t.Errorf("marker TTL %v, want about %v", ttl, bucket.SettleTTL)
+	}
+	// Another request id settles.
+	if ok, err := store.Settle(ctx, "req-2", keys[:1], adj[:1]); err != nil || !ok {
+		t.Fatalf("settle req-2: %v %v", ok, err)
+	}
+	st, _ := bucket.DecodeState(rdb.Get(ctx, keys[0]).Val())
+	if wholeTokens(st) != 10000-140 {
+		t.Errorf("after req-2: %d whole tokens, want %d", wholeTokens(st), 10000-140)
+	}
+}
+
+// TestSettleDebtIsCappedAndRefundsFill: one settlement moves a bucket by at
+// most one capacity either way, a debt never goes below minus one
+// capacity, and a bucket given back up to full is deleted (a missing key is
+// a full bucket), each step stored exactly as bucket.SettleState says.
+func TestSettleDebtIsCappedAndRefundsFill(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	spec := llmSpec(t, 1000, "1/1h")
+	store := bucket.Redis{Client: rdb}
+	key := bucket.NewKeyer("rl:", "").Key("user", "bob", "tokens")
+	if d, err := store.Take(ctx, []string{key}, []bucket.Take{{Spec: spec, Cost: 1000}}); err != nil || !d.Allowed {
+		t.Fatalf("take: %+v %v", d, err)
+	}
+	for i, step := range []struct {
+		delta, want int64 // want: whole tokens after; 1000 means deleted
+	}{
+		{5000, -1000}, // 0 − min(5000, 1000)
+		{1, -1000},    // −1001 stops at −1000
+		{-3000, 0},    // −1000 + min(3000, 1000)
+		{-1000, 1000}, // full: deleted
+	} {
+		before, _ := bucket.DecodeState(rdb.Get(ctx, key).Val())
+		if ok, err := store.Settle(ctx, "req-"+strconv.Itoa(i), []string{key}, []bucket.Adjust{{Spec: spec, Delta: step.delta}}); err != nil || !ok {
+			t.Fatalf("settle %d: %v %v", step.delta, ok, err)
+		}
+		v, err := rdb.Get(ctx, key).Result()
+		if step.want == 1000 {
+			if err != redis.Nil {
+				t.Errorf("settle %d: bucket still stored (%x, %v), want it deleted as full", step.delta, v, err)
+			}
+			continue
+		}
+		after, err := bucket.DecodeState(v)
+		if err != nil {
+			t.Fatalf("settle %d: %v", step.delta, err)
+		}
+		model, kept := bucket.SettleState(after.Last, spec, before, step.delta)
+		if !kept || after != model || wholeTokens(after) != step.want {
+			t.Errorf("settle %d: %+v (%d whole tokens), want the model's %+v: %d", step.delta, after, wholeTokens(after), model, step.want)
+		}
+	}
+}
+
+// ---------------------------------------------------------------------------
+// Requests and tokens limits on one dimension.
+
+// TestRequestsAndTokensDenyTogether: a user has a requests limit (3 at 1 an
+// hour) and a tokens limit (1000 at 1 an hour). A request the tokens
+// bucket denies charges the requests bucket nothing, and the reverse.
+func TestRequestsAndTokensDenyTogether(t *testing.T) {
+	lg := startLLMGateway(t, llmLimiter("user 3 1/1h\n\t\t\t\tuser 1000 1/1h tokens", "cost estimate"))
+	keyer := bucket.NewKeyer("rl:", "")
+	body := func(maxTokens int) string {
+		return fmt.Sprintf(`{"model":"gpt-test","messages":[],"max_tokens":%d}`, maxTokens)
+	}
+	both := func(user string) (string, string) {
+		return lg.value(keyer.Key("user", user, "")), lg.value(keyer.Key("user", user, "tokens"))
+	}
+	wantWhole := func(what, v string, want int64) {
+		t.Helper()
+		st, err := bucket.DecodeState(v)
+		if err != nil || wholeTokens(st) != want {
+			t.Errorf("%s: %+v %v, want %d whole tokens", what, st, err, want)
+		}
+	}
+
+	// Tokens deny: 600, then 600 more of the 400 left.
+	if r := lg.post("/v1/chat/completions", body(600), "X-User", "alice"); r.status != http.StatusOK {
+		t.Fatalf("alice 1: %d", r.status)
+	}
+	reqBefore, tokBefore := both("alice")
+	wantWhole("alice requests", reqBefore, 2)
+	wantWhole("alice tokens", tokBefore, 400)
+	r := lg.post("/v1/chat/completions", body(600), "X-User", "alice")
+	if r.status != http.StatusTooManyRequests || !strings.Contains(r.body, `"dimension":"user"`) {
+		t.Fatalf("alice 2: %d %s, want 429", r.status, r.body)
+	}
+	// The tokens bucket decided: 200 tokens short at 1 an hour.
+	wantHeaders(t, "alice denied", r.header,
+		"Retry-After", "720000",
+		"RateLimit", `"user";r=2;t=3600, "user-tokens";r=400;t=720000`,
+		"X-RateLimit-Limit", "1000",
+		"X-RateLimit-Remaining", "400")
+	if reqAfter, tokAfter := both("alice"); reqAfter != reqBefore || tokAfter != tokBefore {
+		t.Errorf("a request the tokens bucket denied changed the buckets: requests %x → %x, tokens %x → %x",
+			reqBefore, reqAfter, tokBefore, tokAfter)
+	}
+
+	// Requests deny: 3 requests of 10 tokens, then a fourth.
+	for i := 1; i <= 3; i++ {
+		if r := lg.post("/v1/chat/completions", body(10), "X-User", "bob"); r.status != http.StatusOK {
+			t.Fatalf("bob %d: %d", i, r.status)
+		}
+	}
+	reqBefore, tokBefore = both("bob")
+	wantWhole("bob requests", reqBefore, 0)
+	wantWhole("bob tokens", tokBefore, 970)
+	r = lg.post("/v1/chat/completions", body(10), "X-User", "bob")
+	if r.status != http.StatusTooManyRequests {
+		t.Fatalf("bob 4: %d, want 429", r.status)
+	}
+	wantHeaders(t, "bob denied", r.header,
+		"Retry-After", "3600",
+		"RateLimit", `"user";r=0;t=3600, "user-tokens";r=970;t=108000`,
+		"X-RateLimit-Limit", "3",
+		"X-RateLimit-Remaining", "0")
+	if reqAfter, tokAfter := both("bob"); reqAfter != reqBefore || tokAfter != tokBefore {
+		t.Errorf("a request the requests bucket denied changed the buckets: requests %x → %x, tokens %x → %x",
+			reqBefore, reqAfter, tokBefore, tokAfter)
+	}
+	if n := len(lg.up.requests()); n != 4 {
+		t.Errorf("the upstream saw %d requests, want the 4 allowed", n)
+	}
+}
+
+// ---------------------------------------------------------------------------
+// OpenAI's rate-limit headers.
+
+// TestOpenAIHeaders: openai_headers adds x-ratelimit-{limit,remaining,
+// reset}-{requests,tokens} as OpenAI sends them, resets as Go durations:
+// 10 requests an hour refill one in 6 minutes ("6m0s"); 500 tokens at 1000
+// a minute take 30 s ("30s"). A cost above the capacity is 429
+// cost_exceeds_capacity with x-should-retry: false and no Retry-After.
+func TestOpenAIHeaders(t *testing.T) {
+	lg := startLLMGateway(t, llmLimiter("user 10 10/1h\n\t\t\t\tuser 100000 1000/1m tokens", "cost estimate\n\t\t\topenai_headers"))
+	r := lg.post("/v1/chat/completions", chat500, "X-User", "alice")
+	if r.status != http.StatusOK {
+		t.Fatalf("alice: %d %s", r.status, r.body)
+	}
+	wantHeaders(t, "allowed", r.header,
+		"X-Estimated-Cost", "500",
+		"x-ratelimit-limit-requests", "10",
+		"x-ratelimit-remaining-requests", "9",
+		"x-ratelimit-reset-requests", "6m0s",
+		"x-ratelimit-limit-tokens", "100000",
+		"x-ratelimit-remaining-tokens", "99500",
+		"x-ratelimit-reset-tokens", "30s",
+		"x-should-retry", "",
+		// The generic headers stay: the most constrained bucket (9/10 of
+		// requests left against 995/1000 of tokens).
+		"X-RateLimit-Limit", "10",
+		"X-RateLimit-Remaining", "9",
+		"X-RateLimit-Reset", "360")
+
+	// A budget of 100001 tokens can never fit in 100000.
+	r = lg.post("/v1/chat/completions", `{"model":"gpt-test","messages":[],"max_tokens":100001}`, "X-User", "carol")
+	if r.status != http.StatusTooManyRequests {
+		t.Fatalf("carol: %d %s", r.status, r.body)
+	}
+	const wantBody = `{"error":"cost_exceeds_capacity","cost":100001,"capacity":100000,"tier":"free","dimension":"user"}` + "\n"
+	if r.body != wantBody {
+		t.Errorf("body %q, want %q", r.body, wantBody)
+	}
+	wantHeaders(t, "cost exceeds capacity", r.header,
+		"x-should-retry", "false",
+		"Retry-After", "",
+		"Retry-After-Ms", "",
+		"x-ratelimit-limit-requests", "10",
+		"x-ratelimit-remaining-requests", "10",
+		"x-ratelimit-reset-requests", "0s",
+		"x-ratelimit-limit-tokens", "100000",
+		"x-ratelimit-remaining-tokens", "100000",
+		"x-ratelimit-reset-tokens", "0s")
+
+	// The whole capacity, then a request that must wait: the tokens reset
+	// is the wait, the same as Retry-After-Ms; a wait helps, so no
+	// x-should-retry: false.
+	t0 := lg.redisMicros()
+	r = lg.post("/v1/chat/completions", `{"model":"gpt-test","messages":[],"max_tokens":100000}`, "X-User", "dave")
+	wantHeaders(t, "full capacity", r.header,
+		"x-ratelimit-remaining-tokens", "0",
+		"x-ratelimit-reset-tokens", "1h40m0s", // 100000 tokens at 1000 a minute
+		"x-ratelimit-remaining-requests", "9",
+		"x-ratelimit-reset-requests", "6m0s")
+	r = lg.post("/v1/chat/completions", chat500, "X-User", "dave")
+	t1 := lg.redisMicros()
+	if r.status != http.StatusTooManyRequests {
+		t.Fatalf("dave 2: %d", r.status)
+	}
+	// 500 tokens at 60 ms each, less the whole milliseconds refilled
+	// between the two requests, which happened between t0 and t1.
+	ms, err := strconv.ParseInt(r.header.Get("Retry-After-Ms"), 10, 64)
+	if err != nil || ms > 30000 || ms < 30000-(t1-t0)/1000 {
+		t.Fatalf("Retry-After-Ms %q, want 30000 less at most the %d ms between the requests", r.header.Get("Retry-After-Ms"), (t1-t0)/1000)
+	}
+	wantHeaders(t, "rate limited", r.header,
+		"x-should-retry", "",
+		"x-ratelimit-remaining-tokens", "0",
+		"x-ratelimit-reset-tokens", (time.Duration(ms) * time.Millisecond).String(),
+		"x-ratelimit-remaining-requests", "9")
+	// Requests headers are absent for a tier without a requests limit.
+	lg.load(llmSite(strings.TrimPrefix(lg.up.srv.URL, "http://"),
+		llmLimiter("user 100000 1000/1m tokens", "cost estimate\n\t\t\topenai_headers")))
+	lg.client.Transport.(*http.Transport).CloseIdleConnections()
+	r = lg.post("/v1/chat/completions", chat500, "X-User", "erin")
+	wantHeaders(t, "tokens only", r.header,
+		"x-ratelimit-limit-requests", "",
+		"x-ratelimit-remaining-requests", "",
+		"x-ratelimit-reset-requests", "",
+		"x-ratelimit-remaining-tokens", "99500",
+		"x-ratelimit-reset-tokens", "30s")
+}
+
+// TestOpenAIHeadersLongestWait: with two tokens buckets that both deny
+// (a user's and an API key's), x-ratelimit-reset-tokens is the longest
+// wait, the one Retry-After gives: a client that waited only the shorter
+// one would be denied again. A cost above a capacity is the constraint
+// over any wait.
+func TestOpenAIHeadersLongestWait(t *testing.T) {
+	spec := llmSpec(t, 1000, "1000/1m")
+	limits := []*limit{
+		{dimension: "user", tokens: true, spec: spec},
+		{dimension: "api_key", tokens: true, spec: spec},
+		{dimension: "user", spec: llmSpec(t, 10, "10/1h")},
+	}
+	for _, tc := range []struct {
+		name                 string
+		results              []bucket.Result
+		remaining, reset     string
+		requestsReset, retry string
+	}{
+		{"longer_wait_second", []bucket.Result{
+			{Remaining: 900, Reason: bucket.RateLimited, RetryAfterMS: 10000},
+			{Remaining: 100, Reason: bucket.RateLimited, RetryAfterMS: 60000},
+			{Remaining: 9, FullMS: 360000},
+		}, "100", "1m0s", "6m0s", ""},
+		{"longer_wait_first", []bucket.Result{
+			{Remaining: 100, Reason: bucket.RateLimited, RetryAfterMS: 60000},
+			{Remaining: 900, Reason: bucket.RateLimited, RetryAfterMS: 10000},
+			{Remaining: 9, FullMS: 360000},
+		}, "100", "1m0s", "6m0s", ""},
+		{"cost_exceeds_capacity_over_a_wait", []bucket.Result{
+			{Remaining: 100, Reason: bucket.RateLimited, RetryAfterMS: 60000},
+			{Remaining: 1000, Reason: bucket.CostExceedsCapacity},
+			{Remaining: 10},
+		}, "1000", "0s", "0s", "false"},
+	} {
+		d := bucket.Summarize(tc.results)
+		hdr := http.Header{}
+		openAIHeaders(hdr, limits, &d)
+		wantHeaders(t, tc.name, hdr,
+			"x-ratelimit-limit-tokens", "1000",
+			"x-ratelimit-remaining-tokens", tc.remaining,
+			"x-ratelimit-reset-tokens", tc.reset,
+			"x-ratelimit-reset-requests", tc.requestsReset,
+			"x-should-retry", tc.retry)
+		if want := (time.Duration(d.RetryAfterMS) * time.Millisecond).String(); d.Reason == bucket.RateLimited && tc.reset != want {
+			t.Errorf("%s: the test wants reset %s, Retry-After-Ms says %s", tc.name, tc.reset, want)
+		}
+	}
+}
+
+// ---------------------------------------------------------------------------
+// Caddyfile.llm.example.
+
+// TestLLMExampleAdapts: Caddyfile.llm.example adapts without warnings (so it
+// is formatted as caddy fmt writes it) and its limiter has cost estimate,
+// settle and openai_headers.
+func TestLLMExampleAdapts(t *testing.T) {
+	src, err := os.ReadFile("Caddyfile.llm.example")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, warnings, err := caddyconfig.GetAdapter("caddyfile").Adapt(src, map[string]any{"filename": "Caddyfile.llm.example"})
+	if err != nil {
+		t.Fatalf("adapt: %v", err)
+	}
+	for _, w := range warnings {
+		t.Errorf("adapt warning: %s:%d: %s", w.File, w.Line, w.Message)
+	}
+	var handlers []json.RawMessage
+	collectTokenBuckets(t, out, &handlers)
+	if len(handlers) != 1 {
+		t.Fatalf("%d token_bucket handlers, want 1\n%s", len(handlers), out)
+	}
+	var h Handler
+	if err := json.Unmarshal(handlers[0], &h); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Validate(); err != nil {
+		t.Errorf("validate: %v", err)
+	}
+	if h.Estimate == nil || h.Estimate.MaxBody != 1<<20 || h.Estimate.DefaultMaxTokens != 1024 ||
+		h.Estimate.OnInvalid == nil || *h.Estimate.OnInvalid != -1 {
+		t.Errorf("estimate %+v, want max_body 1MiB, default_max_tokens 1024, on_invalid reject", h.Estimate)
+	}
+	if h.Settle == nil || h.Settle.Header != "" || !h.OpenAIHeaders {
+		t.Errorf("settle %+v, openai_headers %v; want settle from the body and openai_headers", h.Settle, h.OpenAIHeaders)
+	}
+	tokens := 0
+	for _, tier := range h.Tiers {
+		for _, l := range tier.Limits {
+			if l.Unit == UnitTokens {
+				tokens++
+			}
+		}
+	}
+	if tokens == 0 {
+		t.Error("no tokens limit")
+	}
+}
+
+// collectTokenBuckets finds every token_bucket handler in an adapted config.
+func collectTokenBuckets(t *testing.T, raw json.RawMessage, out *[]json.RawMessage) {
+	var v any
+	if err := json.Unmarshal(raw, &v); err != nil {
+		t.Fatal(err)
+	}
+	var walk func(any)
+	walk = func(v any) {
+		switch v := v.(type) {
+		case map[string]any:
+			if v["handler"] == "token_bucket" {
+				b, _ := json.Marshal(v)
+				*out = append(*out, b)
+				return
+			}
+			for _, x := range v {
+				walk(x)
+			}
+		case []any:
+			for _, x := range v {
+				walk(x)
+			}
+		}
+	}
+	walk(v)
+}
+
+// TestLLMExampleRuns loads Caddyfile.llm.example as it is, with its
+// environment variables pointing at free ports and a test Redis, and sends
+// a chat completion through it: the demo upstream answers with usage 21,
+// the estimate (⌈6/4⌉ + 1024 = 1026) is charged first and settled down to
+// 21 after.
+func TestLLMExampleRuns(t *testing.T) {
+	t.Cleanup(func() {
+		if t.Skipped() {
+			t.Error("skipped: Caddy could not start")
+		}
+	})
+	src, err := os.ReadFile("Caddyfile.llm.example")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	gwPort, upPort := redistest.FreePort(t), redistest.FreePort(t)
+	t.Setenv("GATEWAY_PORT", strconv.Itoa(gwPort))
+	t.Setenv("UPSTREAM_PORT", strconv.Itoa(upPort))
+	t.Setenv("REDIS_URL", "redis://"+srv.Addr)
+	t.Setenv("REDIS_TIMEOUT", "10s") // never on_redis_error on a slow test machine
+	t.Setenv("CADDY_ADMIN", "localhost:"+strconv.Itoa(adminPort))
+	t.Setenv("TOKEN_BUCKET_KEY_SECRET", "") // keys are plain SHA-256
+	tester := caddytest.NewTester(t).WithDefaultOverrides(testerConfig())
+	tr := &http.Transport{MaxConnsPerHost: 1, DisableCompression: true}
+	t.Cleanup(func() {
+		tr.CloseIdleConnections()
+		if err := postLoad(globalOptions(gwPort), "caddyfile"); err != nil {
+			t.Errorf("unloading the example: %v", err)
+		}
+	})
+	tester.InitServer(string(src), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	lg := &llmGateway{e2eGateway: &e2eGateway{t: t, rdb: rdb, url: fmt.Sprintf("http://127.0.0.1:%d/", gwPort)},
+		client: &http.Client{Transport: tr, Timeout: time.Minute}}
+	key := bucket.NewKeyer("rl:", "").Key("api_key", "sk-free-demo", "tokens")
+	const body = `{"model":"demo","messages":[{"role":"user","content":"Hello!"}]}`
+	t0 := lg.redisMicros()
+	r := lg.post("/v1/chat/completions", body, "Authorization", "Bearer sk-free-demo")
+	if r.status != http.StatusOK || !strings.Contains(r.body, `"total_tokens":21`) {
+		t.Fatalf("%d %s", r.status, r.body)
+	}
+	wantHeaders(t, "example", r.header,
+		"x-ratelimit-limit-tokens", "10000",
+		"x-ratelimit-remaining-tokens", strconv.Itoa(10000-1026),
+		"x-ratelimit-limit-requests", "20",
+		"x-ratelimit-remaining-requests", "19")
+	lg.sync()
+	st, ok := lg.state(key)
+	if !ok {
+		t.Fatal("no tokens bucket after the request")
+	}
+	// 10000 − 21 tokens, plus what refilled (1 unit per µs) between the
+	// charge, at some time after t0, and the settlement at st.Last.
+	spec := llmSpec(t, 10000, "10000/1m")
+	extra := st.Units - (10000-21)*spec.Scale
+	if extra < 0 || extra > (st.Last-t0)*spec.Refill {
+		t.Errorf("settled bucket %+v: %d units above 10000 − 21 tokens, want 0 to %d (the refill since the request)",
+			st, extra, (st.Last-t0)*spec.Refill)
+	}
+	if m := lg.markers(key); len(m) != 1 {
+		t.Errorf("markers %q, want one", m)
+	}
+}
