@@ -265,7 +265,10 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 
 	if h.denials != nil {
 		if sub, d, ok := h.cachedDenial(req); ok {
+			// RateLimit and X-RateLimit-* speak of the buckets known to
+			// deny; RateLimit-Policy still lists every applied bucket.
 			h.writeHeaders(w.Header(), sub.limits, &d)
+			w.Header()["Ratelimit-Policy"] = []string{policyHeader(req.limits)}
 			setPlaceholders(repl, sub.limits, &d)
 			h.observe(r, t, sub, &d, false)
 			return h.deny(w, t, sub, &d)

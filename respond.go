@@ -17,14 +17,12 @@ import (
 // item per bucket, and X-RateLimit-Limit/Remaining/Reset for the most
 // constrained bucket.
 func (h *Handler) writeHeaders(hdr http.Header, limits []*limit, d *bucket.Decision) {
-	policy := make([]byte, 0, 40*len(limits))
+	hdr["Ratelimit-Policy"] = []string{policyHeader(limits)}
 	state := make([]byte, 0, 32*len(limits))
 	for i, l := range limits {
 		if i > 0 {
-			policy = append(policy, ", "...)
 			state = append(state, ", "...)
 		}
-		policy = append(policy, l.policy...)
 		b := &d.Buckets[i]
 		state = append(state, '"')
 		state = append(state, l.name...)
@@ -33,7 +31,6 @@ func (h *Handler) writeHeaders(hdr http.Header, limits []*limit, d *bucket.Decis
 		state = append(state, ";t="...)
 		state = strconv.AppendInt(state, resetSeconds(b), 10)
 	}
-	hdr["Ratelimit-Policy"] = []string{string(policy)}
 	hdr["Ratelimit"] = []string{string(state)}
 
 	if h.OpenAIHeaders {
@@ -87,6 +84,18 @@ func openAIHeaders(hdr http.Header, limits []*limit, d *bucket.Decision) {
 	if d.Reason == bucket.CostExceedsCapacity {
 		hdr["X-Should-Retry"] = []string{"false"}
 	}
+}
+
+// policyHeader formats RateLimit-Policy: one item per applied bucket.
+func policyHeader(limits []*limit) string {
+	policy := make([]byte, 0, 40*len(limits))
+	for i, l := range limits {
+		if i > 0 {
+			policy = append(policy, ", "...)
+		}
+		policy = append(policy, l.policy...)
+	}
+	return string(policy)
 }
 
 // resetSeconds is a bucket's t: the seconds until it can serve the request
