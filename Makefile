@@ -1,0 +1,42 @@
+# Makefile: the commands of this repository. Each target does its own setup
+# on a fresh Debian machine with Go (redis-server is installed when missing).
+
+.PHONY: run test bench fmt fmt-check vet redis build check-build clean
+
+# Run the demo gateway of Caddyfile.example on 127.0.0.1:8080 with its own Redis.
+run:
+	scripts/run.sh
+
+# Everything CI checks. go test runs last, so its summary lines end the output.
+test: redis vet fmt-check check-build
+	go test -race -count=1 ./...
+
+bench: redis
+	go test -run '^$$' -bench . -benchmem ./...
+
+fmt:
+	gofmt -l -w .
+
+fmt-check:
+	@files="$$(gofmt -l .)"; \
+	if [ -n "$$files" ]; then echo "gofmt -l reports unformatted files (run make fmt):"; echo "$$files"; exit 1; fi; \
+	echo "gofmt: OK"
+
+vet:
+	go vet ./...
+
+# redis-server on PATH: the tests start their own on free ports.
+redis:
+	scripts/install-redis.sh
+
+# bin/caddy (Caddy + this plugin, cached), its module list, and
+# caddy adapt / caddy validate of Caddyfile.example.
+build:
+	scripts/build-caddy.sh
+
+check-build:
+	scripts/check-build.sh
+
+clean:
+	rm -rf bin .run
+	go clean -testcache
