@@ -120,7 +120,7 @@ type Handler struct {
 	OnRedisError string `json:"on_redis_error,omitempty"`
 
 	// LocalBuckets bounds the buckets held in memory for on_redis_error
-	// local (default 500000, about 75 MB); the least recently used bucket
+	// local (default 500000, about 90 MB); the least recently used bucket
 	// is forgotten first.
 	LocalBuckets int `json:"local_buckets,omitempty"`
 
