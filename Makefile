@@ -1,15 +1,32 @@
 # Makefile: the commands of this repository. Each target does its own setup
 # on a fresh Debian machine with Go (redis-server is installed when missing).
 
-.PHONY: run test bench fmt fmt-check vet redis build check-build clean
+.PHONY: run test bench fuzz fuzz-short soak fmt fmt-check vet redis build check-build clean
 
 # Run the demo gateway of Caddyfile.example on 127.0.0.1:8080 with its own Redis.
 run:
 	scripts/run.sh
 
-# Everything CI checks. go test runs last, so its summary lines end the output.
-test: redis vet fmt-check check-build
+# Everything CI checks: a short fuzz run of every target, then every test.
+# go test runs last, so its summary lines end the output.
+test: redis vet fmt-check check-build fuzz-short
 	go test -race -count=1 ./...
+
+FUZZTIME ?= 10
+SOAK ?= 3m
+
+# Each fuzz target for FUZZTIME seconds (a longer hunt: make fuzz FUZZTIME=600).
+fuzz:
+	scripts/fuzz.sh $(FUZZTIME)
+
+# The few seconds per target that every test run includes.
+fuzz-short:
+	scripts/fuzz.sh 3
+
+# A bounded soak: steady load, Redis restarted every 30 s, config reloaded
+# every 10 s; fails on growth of goroutines, Redis clients or heap.
+soak: redis
+	scripts/soak.sh $(SOAK)
 
 bench: redis
 	go test -run '^$$' -bench . -benchmem ./...
