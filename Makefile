@@ -28,8 +28,10 @@ fuzz-short:
 soak: redis
 	scripts/soak.sh $(SOAK)
 
+# The benchmark suite of BENCHMARKS.md: Go benchmarks, Redis-side µs per
+# script call, and wrk against a built Caddy.
 bench: redis
-	go test -run '^$$' -bench . -benchmem ./...
+	scripts/bench.sh
 
 fmt:
 	gofmt -l -w .

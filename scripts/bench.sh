@@ -1,0 +1,456 @@
+#!/usr/bin/env bash
+# scripts/bench.sh: the benchmark suite (make bench), on 127.0.0.1, in
+# under 10 minutes on a 2-core machine (the first build of bin/caddy is
+# extra). Three phases, each optional:
+#
+#   go     go test -bench over the root package and bucket/: the model,
+#          the key, the deny cache, bucket.Redis.Take, the handler's
+#          ServeHTTP (benchmarks_test.go, bucket/bench_test.go) and every
+#          other benchmark there, with -benchmem; medians of BENCH_GO_COUNT
+#          runs
+#   redis  scripts/scriptstats: Redis-side µs per call of each script path
+#          (INFO commandstats) and one caller's round trips against PING
+#   http   wrk against bin/caddy (bench/e2e.Caddyfile): (a) respond,
+#          (b) token_bucket allowed, (c) denied from the deny cache,
+#          (d) token_bucket + reverse_proxy, (e) reverse_proxy alone; the
+#          configurations alternate for BENCH_ROUNDS rounds, medians and
+#          ratios are reported
+#
+# Every process it starts (redis-server, Caddy) runs on a free loopback
+# port and is stopped on exit. redis-server and wrk are installed with
+# apt-get when missing. With BENCH_PIN=1 (the default, on 2 or more CPUs)
+# the server side (Caddy, its upstream, redis-server) runs on CPU 0 and the
+# load generator (wrk, scriptstats) on CPU 1, so that the two never take
+# each other's time slices; BENCH_PIN=0 lets the scheduler place them. (The
+# go phase is not pinned: go test and its redis-server share both CPUs.)
+#
+# Results go to BENCH_OUT (default .run/bench/<time>): the raw outputs and
+# summary.md, which is printed at the end. The load average is recorded
+# before each phase: a busy machine makes every figure worse.
+#
+# Environment (defaults): BENCH_PHASES (go,redis,http), BENCH_GO_COUNT (3),
+# BENCH_GO_BENCHTIME (500ms), BENCH_GO_PATTERN (.), BENCH_GO_PKGS
+# (". ./bucket": every benchmark of the two packages), BENCH_ROUNDS (3),
+# BENCH_DURATION (10, seconds per wrk run), BENCH_THREADS (2),
+# BENCH_CONNECTIONS (50), BENCH_PIN (1), BENCH_CALLS (100000, scriptstats
+# calls per path), BENCH_OUT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PHASES="${BENCH_PHASES:-go,redis,http}"
+GO_COUNT="${BENCH_GO_COUNT:-3}"
+GO_BENCHTIME="${BENCH_GO_BENCHTIME:-500ms}"
+GO_PATTERN="${BENCH_GO_PATTERN:-.}"
+GO_PKGS="${BENCH_GO_PKGS:-. ./bucket}"
+ROUNDS="${BENCH_ROUNDS:-3}"
+DURATION="${BENCH_DURATION:-10}"
+THREADS="${BENCH_THREADS:-2}"
+CONNECTIONS="${BENCH_CONNECTIONS:-50}"
+PIN="${BENCH_PIN:-1}"
+CALLS="${BENCH_CALLS:-100000}"
+OUT="${BENCH_OUT:-.run/bench/$(date -u +%Y%m%dT%H%M%SZ)}"
+CONFIGS="a b c d e"
+if [ "$PIN" = 1 ] && { [ "$(nproc)" -lt 2 ] || ! command -v taskset >/dev/null 2>&1; }; then
+	PIN=0
+fi
+
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+SUMMARY="$OUT/summary.md"
+tmp="$(mktemp -d)"
+pids=()
+failed=()
+
+cleanup() {
+	local pid
+	for pid in "${pids[@]}"; do
+		kill "$pid" 2>/dev/null || true
+	done
+	for pid in "${pids[@]}"; do
+		wait "$pid" 2>/dev/null || true
+	done
+	rm -rf "$tmp"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+has_phase() { [[ ",$PHASES," == *",$1,"* ]]; }
+say() { echo "$@" | tee -a "$SUMMARY"; }
+load_average() { cut -d' ' -f1-3 /proc/loadavg; }
+
+# start_server starts a process in the background, on CPU $1 when pinned,
+# with its output in log $2, and records its pid in pids (taskset execs the
+# command, so $! is the server's own pid).
+start_server() {
+	local cpu="$1" log="$2"
+	shift 2
+	if [ "$PIN" = 1 ]; then
+		taskset -c "$cpu" "$@" >"$log" 2>&1 </dev/null &
+	else
+		"$@" >"$log" 2>&1 </dev/null &
+	fi
+	started=$!
+	pids+=("$started")
+}
+
+# client runs a load generator in the foreground, on CPU 1 when pinned.
+client() { if [ "$PIN" = 1 ]; then taskset -c 1 "$@"; else "$@"; fi; }
+
+free_port() {
+	python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+install_tools() {
+	scripts/install-redis.sh
+	local missing=()
+	command -v wrk >/dev/null 2>&1 || missing+=(wrk)
+	command -v taskset >/dev/null 2>&1 || missing+=(util-linux)
+	command -v python3 >/dev/null 2>&1 || missing+=(python3)
+	[ ${#missing[@]} -eq 0 ] && return
+	local sudo=""
+	[ "$(id -u)" -ne 0 ] && sudo="sudo"
+	echo "installing ${missing[*]} with apt-get" >&2
+	$sudo apt-get update
+	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y "${missing[@]}"
+}
+
+# start_redis starts a redis-server on CPU $1 and sets redis_port.
+start_redis() {
+	redis_port="$(free_port)"
+	local dir="$tmp/redis-$redis_port"
+	mkdir -p "$dir"
+	start_server "$1" "$dir/redis.log" redis-server --port "$redis_port" --bind 127.0.0.1 --save '' \
+		--appendonly no --dir "$dir" --daemonize no --logfile ''
+	redis_pid=$started
+	for _ in $(seq 100); do
+		[ "$(redis-cli -p "$redis_port" ping 2>/dev/null)" = PONG ] && return
+		sleep 0.05
+	done
+	cat "$dir/redis.log" >&2
+	echo "redis-server did not start on 127.0.0.1:$redis_port" >&2
+	exit 1
+}
+
+# stop_pid stops a process this script started and forgets it.
+stop_pid() {
+	local pid rest=()
+	kill "$1" 2>/dev/null || true
+	wait "$1" 2>/dev/null || true
+	for pid in "${pids[@]}"; do
+		[ "$pid" = "$1" ] || rest+=("$pid")
+	done
+	pids=("${rest[@]}")
+}
+
+machine() {
+	local mem
+	mem="$(awk '/MemTotal/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)"
+	say "# Benchmark run $(date -u '+%Y-%m-%d %H:%M:%SZ')"
+	say ""
+	say "- machine: $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $mem"
+	say "- go: $(go version | cut -d' ' -f3-)"
+	say "- redis-server: $(redis-server --version | grep -o 'v=[^ ]*' | cut -d= -f2)"
+	say "- wrk: $(wrk -v 2>&1 | head -n1 | cut -d' ' -f2)"
+	say "- pinning: $([ "$PIN" = 1 ] && echo 'server side (Caddy, its upstream, redis-server) on CPU 0, load (wrk, scriptstats) on CPU 1' || echo none)"
+	say "- load average at start (1, 5, 15 min): $(load_average)"
+	say ""
+}
+
+# --- go: go test -bench --------------------------------------------------
+
+go_phase() {
+	say "## Go benchmarks (go test -bench, median of $GO_COUNT runs; load average before: $(load_average))"
+	say ""
+	say '```'
+	say "go test -run '^\$' -bench '$GO_PATTERN' -benchmem -benchtime $GO_BENCHTIME -count $GO_COUNT -timeout 8m $GO_PKGS"
+	say '```'
+	say ""
+	# A failing benchmark fails the suite, but only at the end: the other
+	# figures are still worth having.
+	local rc=0
+	# shellcheck disable=SC2086 # GO_PKGS is a list
+	go test -run '^$' -bench "$GO_PATTERN" -benchmem -benchtime "$GO_BENCHTIME" -count "$GO_COUNT" -timeout 8m \
+		$GO_PKGS 2>&1 | tee "$OUT/go-bench.txt" || rc=$?
+	if [ "$rc" -ne 0 ]; then
+		failed+=("go test (exit $rc)")
+		say "**go test failed (exit $rc)**; its failures (see go-bench.txt):"
+		say ""
+		grep -A2 -e '^--- FAIL' -e '^FAIL' "$OUT/go-bench.txt" | sed 's/^/    /' | tee -a "$SUMMARY"
+		say ""
+	fi
+	{
+		echo "| benchmark | ns/op | B/op | allocs/op |"
+		echo "|---|---:|---:|---:|"
+		# A log line written during a benchmark can split its result line:
+		# the name, then the figures on a later line.
+		awk '
+			/^Benchmark/ { pending = $1 }
+			/ ns\/op/ {
+				name = ($1 ~ /^Benchmark/) ? $1 : pending
+				sub(/-[0-9]+$/, "", name)
+				if (name == "") next
+				if (!(name in n)) order[++count] = name
+				for (i = 1; i < NF; i++) {
+					if ($(i+1) == "ns/op") ns[name, ++n[name]] = $i
+					if ($(i+1) == "B/op") bytes[name] = $i
+					if ($(i+1) == "allocs/op") allocs[name] = $i
+				}
+				pending = ""
+			}
+			END {
+				for (k = 1; k <= count; k++) {
+					name = order[k]; m = n[name]
+					for (i = 1; i <= m; i++) v[i] = ns[name, i] + 0
+					for (i = 1; i <= m; i++) for (j = i + 1; j <= m; j++) if (v[j] < v[i]) { t = v[i]; v[i] = v[j]; v[j] = t }
+					med = (m % 2) ? v[(m + 1) / 2] : (v[m / 2] + v[m / 2 + 1]) / 2
+					printf "| %s | %.0f | %s | %s |\n", name, med, bytes[name], allocs[name]
+				}
+			}' "$OUT/go-bench.txt"
+		echo
+	} >>"$SUMMARY"
+}
+
+# --- redis: scripts/scriptstats ------------------------------------------
+
+redis_phase() {
+	say "## Redis side (scripts/scriptstats; load average before: $(load_average))"
+	say ""
+	go build -o "$tmp/scriptstats" ./scripts/scriptstats
+	start_redis 0
+	say '```'
+	say "go run ./scripts/scriptstats -addr 127.0.0.1:<port> -calls $CALLS -clients 50 -samples 20000"
+	say '```'
+	say ""
+	client "$tmp/scriptstats" -addr "127.0.0.1:$redis_port" -calls "$CALLS" -clients 50 -samples 20000 |
+		tee "$OUT/scriptstats.md" >>"$SUMMARY" || failed+=("scriptstats (exit $?)")
+	cat "$OUT/scriptstats.md"
+	say ""
+	stop_pid "$redis_pid"
+}
+
+# --- http: wrk against Caddy ----------------------------------------------
+
+# status prints the HTTP status of GET / on port, as wrk sends it.
+status() {
+	local line
+	exec 3<>"/dev/tcp/127.0.0.1/$1"
+	printf 'GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-User: bench-user\r\nX-API-Key: bench-key\r\nConnection: close\r\n\r\n' >&3
+	read -r line <&3
+	exec 3<&-
+	echo "$line" | cut -d' ' -f2
+}
+
+wait_port() {
+	for _ in $(seq 200); do
+		(exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return
+		sleep 0.05
+	done
+	echo "nothing listens on 127.0.0.1:$1; see $OUT/caddy-*.log" >&2
+	exit 1
+}
+
+evalsha_calls() {
+	redis-cli -p "$redis_port" info commandstats | tr -d '\r' |
+		awk -F'[=,:]' '$1 == "cmdstat_evalsha" { print $3; found = 1 } END { if (!found) print 0 }'
+}
+
+# cpu_ticks prints the CPU time (user + system, in clock ticks) that
+# process $1 has used.
+cpu_ticks() { awk '{ sub(/^.*\) /, ""); print $12 + $13 }' "/proc/$1/stat"; }
+
+# run_wrk runs wrk on config $1 for $2 seconds into file $3, and appends the
+# EVALSHA calls Redis ran meanwhile and the CPU ticks each server used.
+run_wrk() {
+	local calls ticks=() p i=0
+	calls="$(evalsha_calls)"
+	for p in "$gateway_pid" "$upstream_pid" "$redis_pid"; do ticks+=("$(cpu_ticks "$p")"); done
+	client wrk -t"$THREADS" -c"$CONNECTIONS" -d"$2s" --latency \
+		-H 'X-User: bench-user' -H 'X-API-Key: bench-key' "http://127.0.0.1:${port[$1]}/" >"$3"
+	echo "evalsha_calls $(($(evalsha_calls) - calls))" >>"$3"
+	for p in gateway upstream redis; do
+		local pid_var="${p}_pid"
+		echo "cpu_$p $(($(cpu_ticks "${!pid_var}") - ticks[i]))" >>"$3"
+		i=$((i + 1))
+	done
+}
+
+start_caddy() {
+	scripts/build-caddy.sh
+	start_redis 0
+	export BENCH_REDIS_URL="redis://127.0.0.1:$redis_port"
+	export BENCH_PORT_UPSTREAM
+	BENCH_PORT_UPSTREAM="$(free_port)"
+	declare -gA port
+	local c
+	for c in $CONFIGS; do
+		port[$c]="$(free_port)"
+		export "BENCH_PORT_${c^^}=${port[$c]}"
+	done
+	# Caddy's data and config directories stay out of $HOME.
+	export XDG_DATA_HOME="$tmp/data" XDG_CONFIG_HOME="$tmp/config"
+	start_server 0 "$OUT/caddy-upstream.log" ./bin/caddy run --config bench/upstream.Caddyfile --adapter caddyfile
+	upstream_pid=$started
+	start_server 0 "$OUT/caddy-gateway.log" ./bin/caddy run --config bench/e2e.Caddyfile --adapter caddyfile
+	gateway_pid=$started
+	wait_port "$BENCH_PORT_UPSTREAM"
+	for c in $CONFIGS; do wait_port "${port[$c]}"; done
+}
+
+# check_statuses makes sure each configuration answers as it should before
+# it is measured: 429 for (c) from its second request on, 200 elsewhere.
+check_statuses() {
+	local c want got
+	status "${port[c]}" >/dev/null
+	for c in $CONFIGS; do
+		want=200
+		[ "$c" = c ] && want=429
+		got="$(status "${port[$c]}")"
+		if [ "$got" != "$want" ]; then
+			echo "config ($c) on port ${port[$c]} answered $got, want $want; see $OUT/caddy-gateway.log" >&2
+			exit 1
+		fi
+	done
+}
+
+# field prints a figure of a wrk output: rps, p50 and p99 (ms), requests,
+# non2xx, errors, evalsha, cpu_gateway, cpu_upstream, cpu_redis (ticks).
+field() {
+	awk -v f="$2" '
+		function ms(v) {
+			if (v ~ /us$/) return v / 1000
+			if (v ~ /ms$/) return v + 0
+			if (v ~ /s$/) return v * 1000
+			return v
+		}
+		f == "rps" && /^Requests\/sec:/ { print $2 }
+		f == "p50" && $1 == "50%" { print ms($2) }
+		f == "p99" && $1 == "99%" { print ms($2) }
+		f == "requests" && / requests in / { print $1 }
+		f == "non2xx" && /Non-2xx or 3xx responses:/ { n = $NF }
+		f == "errors" && /Socket errors:/ { gsub(/,/, ""); n = $4 + $6 + $8 + $10 }
+		f == "evalsha" && $1 == "evalsha_calls" { print $2 }
+		f ~ /^cpu_/ && $1 == f { print $2 }
+		END { if ((f == "non2xx" || f == "errors") && n == "") print 0; else if (f == "non2xx" || f == "errors") print n }
+	' "$1"
+}
+
+median() { sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+
+http_phase() {
+	say "## End to end (wrk -t$THREADS -c$CONNECTIONS, ${DURATION}s per run, $ROUNDS rounds; load average before: $(load_average))"
+	say ""
+	start_caddy
+	say "- caddy: $(./bin/caddy version | cut -d' ' -f1)"
+	check_statuses
+	local c r
+	for c in $CONFIGS; do # warm up: connections, the Lua script, Go's heap
+		run_wrk "$c" 2 "$OUT/wrk-$c-warmup.txt"
+	done
+	for r in $(seq "$ROUNDS"); do
+		for c in $CONFIGS; do
+			echo "round $r/$ROUNDS, config ($c), load average $(load_average)" >&2
+			run_wrk "$c" "$DURATION" "$OUT/wrk-$c-$r.txt"
+		done
+	done
+	check_statuses
+	http_summary
+}
+
+http_summary() {
+	declare -A name=(
+		[a]="plain respond"
+		[b]="token_bucket, 3 dimensions, allowed"
+		[c]="token_bucket, client denied (deny cache)"
+		[d]="token_bucket, 3 dimensions, allowed + reverse_proxy"
+		[e]="reverse_proxy alone"
+	)
+	declare -gA rps
+	local c r f warnings=() hz
+	hz="$(getconf CLK_TCK)"
+	say '```'
+	say "wrk -t$THREADS -c$CONNECTIONS -d${DURATION}s --latency -H 'X-User: bench-user' -H 'X-API-Key: bench-key' http://127.0.0.1:<port>/"
+	say '```'
+	say ""
+	say "CPU µs per request: CPU time each server process used during the runs (/proc/<pid>/stat), over the requests wrk completed."
+	say ""
+	say "| config | req/s, median | req/s, each round | p50 ms | p99 ms | non-2xx | socket errors | EVALSHA per request | CPU µs/req: gateway | upstream | redis-server | total |"
+	say "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+	for c in $CONFIGS; do
+		local rounds="" p50 p99 non2xx=0 errors=0 requests=0 evalsha=0 gw=0 up=0 rd=0 per
+		for r in $(seq "$ROUNDS"); do
+			f="$OUT/wrk-$c-$r.txt"
+			rounds+="$(printf '%.0f' "$(field "$f" rps)") "
+			non2xx=$((non2xx + $(field "$f" non2xx)))
+			errors=$((errors + $(field "$f" errors)))
+			requests=$((requests + $(field "$f" requests)))
+			evalsha=$((evalsha + $(field "$f" evalsha)))
+			gw=$((gw + $(field "$f" cpu_gateway)))
+			up=$((up + $(field "$f" cpu_upstream)))
+			rd=$((rd + $(field "$f" cpu_redis)))
+		done
+		rps[$c]="$(for r in $(seq "$ROUNDS"); do field "$OUT/wrk-$c-$r.txt" rps; done | median)"
+		p50="$(for r in $(seq "$ROUNDS"); do field "$OUT/wrk-$c-$r.txt" p50; done | median)"
+		p99="$(for r in $(seq "$ROUNDS"); do field "$OUT/wrk-$c-$r.txt" p99; done | median)"
+		per="$(awk -v e="$evalsha" -v n="$requests" 'BEGIN { printf "%.3f", e / n }')"
+		say "| ($c) ${name[$c]} | $(printf '%.0f' "${rps[$c]}") | ${rounds% } | $p50 | $p99 | $non2xx | $errors | $per |" \
+			"$(awk -v g="$gw" -v u="$up" -v r="$rd" -v n="$requests" -v hz="$hz" \
+				'BEGIN { k = 1e6 / hz / n; printf "%.1f | %.1f | %.1f | %.1f |", g * k, u * k, r * k, (g + u + r) * k }')"
+		case "$c" in
+		b | d) awk -v p="$per" 'BEGIN { exit !(p < 0.99) }' &&
+			warnings+=("($c): only $per EVALSHA per request: the rest were decided by on_redis_error (Redis slower than the 1s timeout, or the breaker open), not by Redis") ;;
+		c) awk -v p="$per" 'BEGIN { exit !(p > 0.01) }' &&
+			warnings+=("($c): $per EVALSHA per request: the deny cache did not answer every request") ;;
+		esac
+		if [ "$errors" -ne 0 ]; then
+			warnings+=("($c): $errors socket errors (connect, read, write or timeout)")
+		fi
+		if [ "$c" = c ] && [ "$non2xx" -ne "$requests" ]; then
+			warnings+=("($c): $non2xx of $requests responses were not 2xx; all should have been 429")
+		elif [ "$c" != c ] && [ "$non2xx" -ne 0 ]; then
+			warnings+=("($c): $non2xx responses were not 2xx")
+		fi
+	done
+	say ""
+	for f in "${warnings[@]}"; do
+		say "**warning**: $f."
+	done
+	[ ${#warnings[@]} -gt 0 ] && say ""
+	say "| ratio | of the medians | median of the rounds' ratios | each round | target | |"
+	say "|---|---:|---:|---|---:|---|"
+	ratio "(b)/(a): limiter allowed / respond" b a 0.6
+	ratio "(d)/(e): limiter + proxy / proxy" d e 0.9
+	ratio "(c)/(a): denied from cache / respond" c a 0.9
+	say ""
+}
+
+# ratio reports config $2 over config $3 against target $4: the ratio of
+# their medians, and the median of the ratios of each round (the two ran a
+# few seconds apart, so a change in the machine's load affects both).
+ratio() {
+	local r v each="" rounds m
+	for r in $(seq "$ROUNDS"); do
+		each+="$(awk -v x="$(field "$OUT/wrk-$2-$r.txt" rps)" -v y="$(field "$OUT/wrk-$3-$r.txt" rps)" \
+			'BEGIN { printf "%.2f", x / y }') "
+	done
+	v="$(awk -v x="${rps[$2]}" -v y="${rps[$3]}" 'BEGIN { printf "%.2f", x / y }')"
+	rounds="$(echo "$each" | tr ' ' '\n' | grep . | median)"
+	m="$(printf '%.2f' "$rounds")"
+	say "| $1 | $v | $m | ${each% } | ≥ $4 | $(awk -v v="$v" -v t="$4" 'BEGIN { print (v >= t) ? "meets" : "**short**" }') |"
+}
+
+install_tools
+: >"$SUMMARY"
+machine
+start=$SECONDS
+has_phase go && go_phase
+has_phase redis && redis_phase
+has_phase http && http_phase
+say "- load average at end: $(load_average); wall time $((SECONDS - start))s"
+echo
+echo "==== $SUMMARY"
+cat "$SUMMARY"
+if [ ${#failed[@]} -gt 0 ]; then
+	echo "bench: failed: ${failed[*]}" >&2
+	exit 1
+fi
