@@ -267,8 +267,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		if sub, d, ok := h.cachedDenial(req); ok {
 			// RateLimit and X-RateLimit-* speak of the buckets known to
 			// deny; RateLimit-Policy still lists every applied bucket.
-			h.writeHeaders(w.Header(), sub.limits, &d)
-			w.Header()["Ratelimit-Policy"] = []string{policyHeader(req.limits)}
+			h.writeHeaders(w.Header(), req.limits, sub.limits, &d)
 			setPlaceholders(repl, sub.limits, &d)
 			h.observe(r, t, sub, &d, false)
 			return h.deny(w, t, sub, &d)
@@ -299,7 +298,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 // denial.
 func (h *Handler) decided(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler,
 	repl *caddy.Replacer, t *tier, req *request, d *bucket.Decision) error {
-	h.writeHeaders(w.Header(), req.limits, d)
+	h.writeHeaders(w.Header(), req.limits, req.limits, d)
 	setPlaceholders(repl, req.limits, d)
 	h.observe(r, t, req, d, false)
 	if d.Allowed {

@@ -16,8 +16,11 @@ import (
 // RateLimit-Policy and RateLimit (draft-ietf-httpapi-ratelimit-headers), one
 // item per bucket, and X-RateLimit-Limit/Remaining/Reset for the most
 // constrained bucket.
-func (h *Handler) writeHeaders(hdr http.Header, limits []*limit, d *bucket.Decision) {
-	hdr["Ratelimit-Policy"] = []string{policyHeader(limits)}
+//
+// policy lists the buckets for RateLimit-Policy: every applied bucket, also
+// when limits (and d) hold only some of them, as for a cached denial.
+func (h *Handler) writeHeaders(hdr http.Header, policy, limits []*limit, d *bucket.Decision) {
+	hdr["Ratelimit-Policy"] = []string{policyHeader(policy)}
 	state := make([]byte, 0, 32*len(limits))
 	for i, l := range limits {
 		if i > 0 {

@@ -5,6 +5,8 @@ import (
 	"crypto/sha256"
 	"encoding/base64"
 	"hash"
+	"io"
+	"strings"
 	"sync"
 )
 
@@ -26,7 +28,7 @@ const IDLength = 22
 // share a slot and no identity can choose its slot.
 type Keyer struct {
 	prefix string
-	macs   *sync.Pool // of hash.Hash keyed with the secret; nil without one
+	macs   *sync.Pool // of *macState keyed with the secret; nil without one
 }
 
 // NewKeyer returns a Keyer with the key prefix and the HMAC secret ("" for
@@ -35,7 +37,9 @@ func NewKeyer(prefix, secret string) Keyer {
 	k := Keyer{prefix: prefix}
 	if secret != "" {
 		key := []byte(secret)
-		k.macs = &sync.Pool{New: func() any { return hmac.New(sha256.New, key) }}
+		k.macs = &sync.Pool{New: func() any {
+			return &macState{mac: hmac.New(sha256.New, key), sum: make([]byte, 0, sha256.Size)}
+		}}
 	}
 	return k
 }
@@ -47,36 +51,50 @@ func (k Keyer) ID(identity string) string {
 }
 
 // Key returns the key of identity's bucket in dimension; unit is "" for a
-// requests limit.
+// requests limit. It allocates the key and nothing else for identities of up
+// to 32 bytes.
 func (k Keyer) Key(dimension, identity, unit string) string {
+	var id [IDLength]byte
+	k.appendID(id[:0], identity)
 	n := len(k.prefix) + len(dimension) + IDLength + 3
 	if unit != "" {
 		n += 1 + len(unit)
 	}
-	b := make([]byte, 0, n)
-	b = append(b, k.prefix...)
-	b = append(b, '{')
-	b = append(b, dimension...)
-	b = append(b, ':')
-	b = k.appendID(b, identity)
-	b = append(b, '}')
+	var b strings.Builder
+	b.Grow(n)
+	b.WriteString(k.prefix)
+	b.WriteByte('{')
+	b.WriteString(dimension)
+	b.WriteByte(':')
+	b.Write(id[:])
+	b.WriteByte('}')
 	if unit != "" {
-		b = append(b, ':')
-		b = append(b, unit...)
+		b.WriteByte(':')
+		b.WriteString(unit)
 	}
-	return string(b)
+	return b.String()
 }
 
 func (k Keyer) appendID(b []byte, identity string) []byte {
-	var sum [sha256.Size]byte
-	if k.macs == nil {
-		sum = sha256.Sum256([]byte(identity))
-	} else {
-		mac := k.macs.Get().(hash.Hash)
-		mac.Reset()
-		mac.Write([]byte(identity))
-		mac.Sum(sum[:0])
-		k.macs.Put(mac)
+	if k.macs != nil {
+		return k.appendMAC(b, identity)
 	}
+	sum := sha256.Sum256([]byte(identity))
 	return base64.RawURLEncoding.AppendEncode(b, sum[:16])
+}
+
+// macState is a keyed HMAC with a buffer for its sum, pooled together.
+type macState struct {
+	mac hash.Hash
+	sum []byte
+}
+
+func (k Keyer) appendMAC(b []byte, identity string) []byte {
+	st := k.macs.Get().(*macState)
+	st.mac.Reset()
+	_, _ = io.WriteString(st.mac, identity)
+	st.sum = st.mac.Sum(st.sum[:0])
+	b = base64.RawURLEncoding.AppendEncode(b, st.sum[:16])
+	k.macs.Put(st)
+	return b
 }
