@@ -23,37 +23,42 @@ var TokenBucket = redis.NewScript(Source)
 // mainReturn ends token_bucket.lua: the entry that decides every key.
 const mainReturn = "\nlocal reply = decide(0, 0, #KEYS)\nreturn reply\n"
 
+// core is token_bucket.lua without its main entry: the clock and the
+// functions that read, refill and decide buckets, which the other scripts
+// share.
+var core = func() string {
+	c, ok := strings.CutSuffix(Source, mainReturn)
+	if !ok {
+		panic("lua: token_bucket.lua does not end with its main entry")
+	}
+	return c + "\n"
+}()
+
 //go:embed demote.lua
 var demoteEntry string
 
 // DemoteSource is token_bucket.lua with demote.lua's entry in place of its
 // own: the same decision, plus counting denials and demoting.
-var DemoteSource = demoteSource()
+var DemoteSource = core + demoteEntry
 
 // Demote is the script for handlers with a demotion rule.
 var Demote = redis.NewScript(DemoteSource)
 
-func demoteSource() string {
-	core, ok := strings.CutSuffix(Source, mainReturn)
-	if !ok {
-		panic("lua: token_bucket.lua does not end with its main entry")
-	}
-	return core + "\n" + demoteEntry
-}
-
-// RefundSource is the text of refund.lua.
-//
 //go:embed refund.lua
-var RefundSource string
+var refundEntry string
+
+// RefundSource is token_bucket.lua's core with refund.lua's entry.
+var RefundSource = core + refundEntry
 
 // Refund gives back what TokenBucket charged, for a request denied by a
 // bucket on another Redis Cluster slot.
 var Refund = redis.NewScript(RefundSource)
 
-// SettleSource is the text of settle.lua.
-//
 //go:embed settle.lua
-var SettleSource string
+var settleEntry string
+
+// SettleSource is token_bucket.lua's core with settle.lua's entry.
+var SettleSource = core + settleEntry
 
 // Settle charges or gives back the difference between a request's
 // estimated and actual LLM tokens, once per request.

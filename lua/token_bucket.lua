@@ -36,6 +36,46 @@ local now = clock[1] * 1000000 + clock[2]
 
 local floor, pack, unpack = math.floor, struct.pack, struct.unpack
 
+-- load returns the units the bucket at key holds now, in the caller's
+-- scale, and the time of its state: a missing key is a full bucket. On a
+-- malformed value it returns nil and an error reply.
+local function load(key, cap, refill, scale)
+  local v = redis.call('GET', key)
+  if not v then return cap, now end
+  if #v ~= 24 then
+    return nil, redis.error_reply('ERR token_bucket: malformed bucket state at ' .. key)
+  end
+  local u, oldscale, last = unpack('<ddd', v)
+  if oldscale ~= scale then
+    -- The limit changed: keep whole tokens only, never grant a fraction.
+    local whole = floor(u / oldscale)
+    if whole * oldscale > u then whole = whole - 1 end
+    u = math.min(whole, cap / scale) * scale
+  elseif u > cap then
+    u = cap
+  end
+  if now > last then
+    local grown = (now - last) * refill
+    if grown >= cap - u then u = cap else u = u + grown end
+  end
+  return u, last
+end
+
+-- fullms returns the milliseconds, rounded up, until a bucket holding u
+-- units with state time last is full: the key's TTL. A clock that stepped
+-- back (last > now) adds the difference.
+local function fullms(cap, refill, u, last)
+  local d, per = cap - u, refill * 1000
+  local full = floor(d / per)
+  if full * per < d then full = full + 1 end
+  if last > now then
+    local ahead = floor((last - now) / 1000)
+    if ahead * 1000 < last - now then ahead = ahead + 1 end
+    full = full + ahead
+  end
+  return full
+end
+
 -- decide decides the n buckets KEYS[ko + i], ARGV[ao + i] (i = 1..n) and
 -- returns the reply and whether the request is allowed.
 local function decide(ko, ao, n)
@@ -47,27 +87,8 @@ local function decide(ko, ao, n)
   -- Pass 1: refill and check every bucket; write nothing.
   for i = 1, n do
     local cap, refill, scale, cost = unpack('<dddd', ARGV[ao + i])
-    local u, last = cap, now
-    local v = redis.call('GET', KEYS[ko + i])
-    if v then
-      if #v ~= 24 then
-        return redis.error_reply('ERR token_bucket: malformed bucket state at ' .. KEYS[ko + i])
-      end
-      local oldscale
-      u, oldscale, last = unpack('<ddd', v)
-      if oldscale ~= scale then
-        -- The limit changed: keep whole tokens only, never grant a fraction.
-        local whole = floor(u / oldscale)
-        if whole * oldscale > u then whole = whole - 1 end
-        u = math.min(whole, cap / scale) * scale
-      elseif u > cap then
-        u = cap
-      end
-      if now > last then
-        local grown = (now - last) * refill
-        if grown >= cap - u then u = cap else u = u + grown end
-      end
-    end
+    local u, last = load(KEYS[ko + i], cap, refill, scale)
+    if not u then return last end
     held[i], at[i] = u, last
     local wait = 0
     if cost > cap then
@@ -92,15 +113,7 @@ local function decide(ko, ao, n)
       u = u - cost
       if now > last then last = now end
     end
-    -- ceil((cap - u) / (refill * 1000)), plus a clock that stepped back
-    local d, per = cap - u, refill * 1000
-    local full = floor(d / per)
-    if full * per < d then full = full + 1 end
-    if last > now then
-      local ahead = floor((last - now) / 1000)
-      if ahead * 1000 < last - now then ahead = ahead + 1 end
-      full = full + ahead
-    end
+    local full = fullms(cap, refill, u, last)
     if charge then
       redis.call('SET', KEYS[ko + i], pack('<ddd', u, scale, last), 'PX', full)
     end
