@@ -38,7 +38,7 @@ func NewKeyer(prefix, secret string) Keyer {
 	if secret != "" {
 		key := []byte(secret)
 		k.macs = &sync.Pool{New: func() any {
-			return &macState{mac: hmac.New(sha256.New, key), sum: make([]byte, 0, sha256.Size)}
+			return &macState{mac: hmac.New(sha256.New, key), in: make([]byte, 0, shortIdentity), sum: make([]byte, 0, sha256.Size)}
 		}}
 	}
 	return k
@@ -52,7 +52,7 @@ func (k Keyer) ID(identity string) string {
 
 // Key returns the key of identity's bucket in dimension; unit is "" for a
 // requests limit. It allocates the key and nothing else for identities of up
-// to 32 bytes.
+// to 256 bytes (shortIdentity).
 func (k Keyer) Key(dimension, identity, unit string) string {
 	var id [IDLength]byte
 	k.appendID(id[:0], identity)
@@ -75,24 +75,42 @@ func (k Keyer) Key(dimension, identity, unit string) string {
 	return b.String()
 }
 
+// shortIdentity is the longest identity hashed without allocating: it is
+// copied to a buffer (on the stack, or pooled with the HMAC) instead of
+// converted to a new []byte. API keys, user ids and addresses are shorter.
+const shortIdentity = 256
+
 func (k Keyer) appendID(b []byte, identity string) []byte {
 	if k.macs != nil {
 		return k.appendMAC(b, identity)
 	}
-	sum := sha256.Sum256([]byte(identity))
+	var sum [sha256.Size]byte
+	if len(identity) <= shortIdentity {
+		var in [shortIdentity]byte
+		sum = sha256.Sum256(append(in[:0], identity...))
+	} else {
+		sum = sha256.Sum256([]byte(identity))
+	}
 	return base64.RawURLEncoding.AppendEncode(b, sum[:16])
 }
 
-// macState is a keyed HMAC with a buffer for its sum, pooled together.
+// macState is a keyed HMAC with buffers for its input and its sum, pooled
+// together.
 type macState struct {
 	mac hash.Hash
+	in  []byte // cap shortIdentity
 	sum []byte
 }
 
 func (k Keyer) appendMAC(b []byte, identity string) []byte {
 	st := k.macs.Get().(*macState)
 	st.mac.Reset()
-	_, _ = io.WriteString(st.mac, identity)
+	if len(identity) <= shortIdentity {
+		st.in = append(st.in[:0], identity...)
+		_, _ = st.mac.Write(st.in)
+	} else {
+		_, _ = io.WriteString(st.mac, identity)
+	}
 	st.sum = st.mac.Sum(st.sum[:0])
 	b = base64.RawURLEncoding.AppendEncode(b, st.sum[:16])
 	k.macs.Put(st)

@@ -1,6 +1,9 @@
 package bucket
 
 import (
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/base64"
 	"strings"
 	"testing"
 )
@@ -39,5 +42,24 @@ func TestKeyHostileIdentities(t *testing.T) {
 			t.Errorf("identities %.20q and %.20q share key %q", prev, id, key)
 		}
 		seen[key] = id
+	}
+}
+
+// TestKeyIDAroundShortIdentity: identities hashed from the copy buffer
+// (up to shortIdentity bytes) and those converted whole give the documented
+// SHA-256 and HMAC-SHA-256 ids.
+func TestKeyIDAroundShortIdentity(t *testing.T) {
+	plain, keyed := NewKeyer("rl:", ""), NewKeyer("rl:", "s3cret")
+	for _, n := range []int{0, 1, 32, 33, shortIdentity - 1, shortIdentity, shortIdentity + 1, 4 * shortIdentity} {
+		id := strings.Repeat("k", n)
+		sum := sha256.Sum256([]byte(id))
+		if got, want := plain.ID(id), base64.RawURLEncoding.EncodeToString(sum[:16]); got != want {
+			t.Errorf("SHA-256 id of %d bytes = %q, want %q", n, got, want)
+		}
+		mac := hmac.New(sha256.New, []byte("s3cret"))
+		mac.Write([]byte(id))
+		if got, want := keyed.ID(id), base64.RawURLEncoding.EncodeToString(mac.Sum(nil)[:16]); got != want {
+			t.Errorf("HMAC id of %d bytes = %q, want %q", n, got, want)
+		}
 	}
 }

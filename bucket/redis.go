@@ -45,19 +45,24 @@ func (s Redis) Take(ctx context.Context, keys []string, takes []Take) (Decision,
 
 // appendArgs appends the script's ARGV for takes: per bucket, capacity,
 // refill, scale and cost in units, as four little-endian doubles (see
-// lua/token_bucket.lua).
+// lua/token_bucket.lua). The values share one allocation, and as pointers
+// they go into the []any without one each.
 func appendArgs(args []any, takes []Take) []any {
-	const size = 32
-	buf := make([]byte, 0, size*len(takes))
-	for _, t := range takes {
-		buf = appendFloats(buf, t.Spec.CapacityUnits(), t.Spec.Refill, t.Spec.Scale, t.costUnits())
-	}
-	all := string(buf) // one allocation; each ARGV is a slice of it
-	for i := range takes {
-		args = append(args, all[i*size:(i+1)*size])
+	vals := make([]argv, len(takes))
+	for i, t := range takes {
+		appendFloats(vals[i][:0], t.Spec.CapacityUnits(), t.Spec.Refill, t.Spec.Scale, t.costUnits()) // fills vals[i] in place
+		args = append(args, &vals[i])
 	}
 	return args
 }
+
+// argv is one bucket's ARGV: capacity, refill, scale and cost in units as
+// four little-endian doubles. go-redis sends it as a bulk string of its
+// bytes, as it would the same bytes in a string.
+type argv [32]byte
+
+// MarshalBinary implements encoding.BinaryMarshaler for go-redis.
+func (a *argv) MarshalBinary() ([]byte, error) { return a[:], nil }
 
 func appendFloats(b []byte, vals ...int64) []byte {
 	for _, v := range vals {
