@@ -153,6 +153,7 @@ type Handler struct {
 
 	logger  *zap.Logger
 	keyer   bucket.Keyer
+	idKeys  []string // per dimension: its template's lone placeholder, see placeholderKey
 	tiers   map[string]*tier
 	deflt   *tier
 	cost    int64 // -1: evaluate the Cost template per request
@@ -197,6 +198,10 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	h.tiers, h.deflt = compileTiers(h.Dimensions, h.Tiers, h.DefaultTier, h.LocalShare)
+	h.idKeys = make([]string, len(h.Dimensions))
+	for i, d := range h.Dimensions {
+		h.idKeys[i] = placeholderKey(d.Identity)
+	}
 	h.cost, _ = staticCost(h.Cost)
 	h.keyer = bucket.NewKeyer(h.KeyPrefix, caddy.NewReplacer().ReplaceKnown(h.KeySecret, ""))
 	if h.now == nil {
@@ -246,7 +251,7 @@ func (h *Handler) Cleanup() error {
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	t := h.resolveTier(repl)
-	repl.Set("http.token_bucket.tier", t.name)
+	repl.Set("http.token_bucket.tier", t.nameValue)
 
 	req, err := h.buildRequest(r, repl, t)
 	if err == errInvalidBody {
@@ -267,10 +272,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		if sub, d, ok := h.cachedDenial(req); ok {
 			// RateLimit and X-RateLimit-* speak of the buckets known to
 			// deny; RateLimit-Policy still lists every applied bucket.
-			h.writeHeaders(w.Header(), req.limits, sub.limits, &d)
-			setPlaceholders(repl, sub.limits, &d)
-			h.observe(r, t, sub, &d, false)
-			return h.deny(w, t, sub, &d)
+			return h.denied(w, r, repl, t, req.limits, sub, &d)
 		}
 	}
 	if h.demote != nil && t != h.demote.penalty {
@@ -298,19 +300,32 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 // denial.
 func (h *Handler) decided(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler,
 	repl *caddy.Replacer, t *tier, req *request, d *bucket.Decision) error {
-	h.writeHeaders(w.Header(), req.limits, req.limits, d)
+	if !d.Allowed {
+		return h.denied(w, r, repl, t, req.limits, req, d)
+	}
+	h.writeHeaders(w.Header(), t, req.limits, d)
 	setPlaceholders(repl, req.limits, d)
 	h.observe(r, t, req, d, false)
-	if d.Allowed {
-		if h.Settle != nil && req.hasTokens() {
-			rec := &recorder{ResponseWriter: w, tailCap: DefaultSettleTail}
-			err := next.ServeHTTP(rec, r)
-			h.settle(r, repl, req, rec)
-			return err
-		}
-		return next.ServeHTTP(w, r)
+	if h.Settle != nil && req.hasTokens() {
+		rec := &recorder{ResponseWriter: w, tailCap: DefaultSettleTail}
+		err := next.ServeHTTP(rec, r)
+		h.settle(r, repl, req, rec)
+		return err
 	}
-	return h.deny(w, t, req, d)
+	return next.ServeHTTP(w, r)
+}
+
+// denied answers a denial by Redis or the deny cache: the rate-limit
+// headers of req's buckets (policy lists every applied bucket, see
+// addHeaders), placeholders and metrics, then the denial.
+func (h *Handler) denied(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer,
+	t *tier, policy []*limit, req *request, d *bucket.Decision) error {
+	var hs headerSet
+	var arr [headerBuf]byte
+	b := h.addHeaders(&hs, arr[:0], t, policy, req.limits, d)
+	setPlaceholders(repl, req.limits, d)
+	h.observe(r, t, req, d, false)
+	return h.deny(w, t, req, d, &hs, b)
 }
 
 // degraded decides a request that Redis could not, by on_redis_error.
@@ -344,7 +359,9 @@ func (h *Handler) degraded(w http.ResponseWriter, r *http.Request, next caddyhtt
 	if d.Allowed {
 		return next.ServeHTTP(w, r)
 	}
-	return h.deny(w, t, req, &d)
+	var hs headerSet
+	var arr [64]byte
+	return h.deny(w, t, req, &d, &hs, arr[:0])
 }
 
 func (h *Handler) policy() string {

@@ -12,93 +12,200 @@ import (
 	"github.com/token-bucket/token_bucket/bucket"
 )
 
-// writeHeaders sets the rate-limit headers of a decision made by Redis:
-// RateLimit-Policy and RateLimit (draft-ietf-httpapi-ratelimit-headers), one
-// item per bucket, and X-RateLimit-Limit/Remaining/Reset for the most
-// constrained bucket.
+// addHeaders adds to hs the rate-limit headers of a decision made by
+// Redis: RateLimit-Policy and RateLimit (draft-ietf-httpapi-ratelimit-
+// headers), one item per bucket, and X-RateLimit-Limit/Remaining/Reset for
+// the most constrained bucket. It appends their text to b and returns it;
+// writeHeaders or deny sets them.
 //
 // policy lists the buckets for RateLimit-Policy: every applied bucket, also
-// when limits (and d) hold only some of them, as for a cached denial.
-func (h *Handler) writeHeaders(hdr http.Header, policy, limits []*limit, d *bucket.Decision) {
-	hdr["Ratelimit-Policy"] = []string{policyHeader(policy)}
-	state := make([]byte, 0, 32*len(limits))
+// when limits (and d) hold only some of them, as for a cached denial. When
+// it is all of t's limits, t's precomputed header is sent.
+func (h *Handler) addHeaders(hs *headerSet, b []byte, t *tier, policy, limits []*limit, d *bucket.Decision) []byte {
+	if t.appliesAll(policy) {
+		hs.add("Ratelimit-Policy", t.policy)
+	} else {
+		b = appendPolicy(b, policy)
+		hs.cut("Ratelimit-Policy", b)
+	}
 	for i, l := range limits {
 		if i > 0 {
-			state = append(state, ", "...)
+			b = append(b, ", "...)
 		}
-		b := &d.Buckets[i]
-		state = append(state, '"')
-		state = append(state, l.name...)
-		state = append(state, `";r=`...)
-		state = strconv.AppendInt(state, max(0, b.Remaining), 10)
-		state = append(state, ";t="...)
-		state = strconv.AppendInt(state, resetSeconds(b), 10)
+		r := &d.Buckets[i]
+		b = append(b, '"')
+		b = append(b, l.name...)
+		b = append(b, `";r=`...)
+		b = strconv.AppendInt(b, max(0, r.Remaining), 10)
+		b = append(b, ";t="...)
+		b = strconv.AppendInt(b, resetSeconds(r), 10)
 	}
-	hdr["Ratelimit"] = []string{string(state)}
+	hs.cut("Ratelimit", b)
 
 	if h.OpenAIHeaders {
-		openAIHeaders(hdr, limits, d)
+		b = appendOpenAIHeaders(hs, b, limits, d)
 	}
 	i := constrained(limits, d)
-	hdr["X-Ratelimit-Limit"] = []string{strconv.FormatInt(limits[i].spec.Capacity, 10)}
-	hdr["X-Ratelimit-Remaining"] = []string{strconv.FormatInt(max(0, d.Buckets[i].Remaining), 10)}
-	hdr["X-Ratelimit-Reset"] = []string{strconv.FormatInt(resetSeconds(&d.Buckets[i]), 10)}
+	b = strconv.AppendInt(b, limits[i].spec.Capacity, 10)
+	hs.cut("X-Ratelimit-Limit", b)
+	b = strconv.AppendInt(b, max(0, d.Buckets[i].Remaining), 10)
+	hs.cut("X-Ratelimit-Remaining", b)
+	b = strconv.AppendInt(b, resetSeconds(&d.Buckets[i]), 10)
+	hs.cut("X-Ratelimit-Reset", b)
+	return b
 }
 
-// openAIHeaders sets x-ratelimit-{limit,remaining,reset}-{requests,tokens}
-// for the most constrained bucket of each unit, as OpenAI's API sends them
-// (reset as a Go duration such as "6m0s"), and x-should-retry: false when a
-// cost can never fit.
+// writeHeaders sets the rate-limit headers of an allowed request, every
+// applied bucket in limits (see addHeaders).
+func (h *Handler) writeHeaders(hdr http.Header, t *tier, limits []*limit, d *bucket.Decision) {
+	var hs headerSet
+	var arr [headerBuf]byte
+	hs.setIn(hdr, h.addHeaders(&hs, arr[:0], t, limits, limits, d))
+}
+
+// openAINames are the headers of openai_headers, by unit (requests,
+// tokens): limit, remaining, reset.
+var openAINames = [2][3]string{
+	{"X-Ratelimit-Limit-Requests", "X-Ratelimit-Remaining-Requests", "X-Ratelimit-Reset-Requests"},
+	{"X-Ratelimit-Limit-Tokens", "X-Ratelimit-Remaining-Tokens", "X-Ratelimit-Reset-Tokens"},
+}
+
+// openAIHeaders sets the headers of openai_headers alone; addHeaders adds
+// them with the others.
 func openAIHeaders(hdr http.Header, limits []*limit, d *bucket.Decision) {
-	for _, unit := range [2]bool{false, true} {
-		best, share := -1, 2.0
-		for i, l := range limits {
-			if l.tokens != unit {
-				continue
-			}
-			b := &d.Buckets[i]
-			s := float64(b.Remaining) / float64(l.spec.Capacity)
-			switch b.Reason { // a denying bucket is the constraint:
-			case bucket.RateLimited:
-				s = -1 - float64(b.RetryAfterMS) // the longest wait, as Retry-After
-			case bucket.CostExceedsCapacity:
-				s = math.Inf(-1) // no wait helps
-			}
-			if s < share {
-				best, share = i, s
-			}
-		}
+	var hs headerSet
+	var arr [64]byte
+	hs.setIn(hdr, appendOpenAIHeaders(&hs, arr[:0], limits, d))
+}
+
+// appendOpenAIHeaders adds x-ratelimit-{limit,remaining,reset}-{requests,
+// tokens} for the most constrained bucket of each unit, as OpenAI's API
+// sends them (reset as a Go duration such as "6m0s"), and x-should-retry:
+// false when a cost can never fit. It appends the numbers to b and returns
+// it.
+func appendOpenAIHeaders(hs *headerSet, b []byte, limits []*limit, d *bucket.Decision) []byte {
+	for u, unit := range [2]bool{false, true} {
+		best := mostConstrained(limits, d, unit)
 		if best < 0 {
 			continue
 		}
-		suffix := "-Requests"
-		if unit {
-			suffix = "-Tokens"
+		r := &d.Buckets[best]
+		reset := r.FullMS
+		if r.Reason == bucket.RateLimited {
+			reset = r.RetryAfterMS
 		}
-		b := &d.Buckets[best]
-		reset := b.FullMS
-		if b.Reason == bucket.RateLimited {
-			reset = b.RetryAfterMS
-		}
-		hdr["X-Ratelimit-Limit"+suffix] = []string{strconv.FormatInt(limits[best].spec.Capacity, 10)}
-		hdr["X-Ratelimit-Remaining"+suffix] = []string{strconv.FormatInt(max(0, b.Remaining), 10)}
-		hdr["X-Ratelimit-Reset"+suffix] = []string{(time.Duration(reset) * time.Millisecond).String()}
+		b = strconv.AppendInt(b, limits[best].spec.Capacity, 10)
+		hs.cut(openAINames[u][0], b)
+		b = strconv.AppendInt(b, max(0, r.Remaining), 10)
+		hs.cut(openAINames[u][1], b)
+		hs.add(openAINames[u][2], (time.Duration(reset) * time.Millisecond).String())
 	}
 	if d.Reason == bucket.CostExceedsCapacity {
-		hdr["X-Should-Retry"] = []string{"false"}
+		hs.add("X-Should-Retry", "false")
 	}
+	return b
 }
 
-// policyHeader formats RateLimit-Policy: one item per applied bucket.
-func policyHeader(limits []*limit) string {
-	policy := make([]byte, 0, 40*len(limits))
+// mostConstrained returns the index of the most constrained of the
+// buckets of a unit (tokens or requests) for openai_headers, -1 when there
+// is none: a denying bucket first, the longest wait among them, else the
+// smallest share of its capacity left (the first on a tie).
+func mostConstrained(limits []*limit, d *bucket.Decision, tokens bool) int {
+	best, share := -1, 2.0
+	for i, l := range limits {
+		if l.tokens != tokens {
+			continue
+		}
+		b := &d.Buckets[i]
+		s := float64(b.Remaining) / float64(l.spec.Capacity)
+		switch b.Reason { // a denying bucket is the constraint:
+		case bucket.RateLimited:
+			s = -1 - float64(b.RetryAfterMS) // the longest wait, as Retry-After
+		case bucket.CostExceedsCapacity:
+			s = math.Inf(-1) // no wait helps
+		}
+		if s < share {
+			best, share = i, s
+		}
+	}
+	return best
+}
+
+// appendPolicy appends RateLimit-Policy: one item per applied bucket.
+func appendPolicy(b []byte, limits []*limit) []byte {
 	for i, l := range limits {
 		if i > 0 {
-			policy = append(policy, ", "...)
+			b = append(b, ", "...)
 		}
-		policy = append(policy, l.policy...)
+		b = append(b, l.policy...)
 	}
-	return string(policy)
+	return b
+}
+
+// appliesAll reports whether limits are all of t's limits, in order.
+func (t *tier) appliesAll(limits []*limit) bool {
+	if len(limits) != len(t.limits) {
+		return false
+	}
+	for i, l := range limits {
+		if l != &t.limits[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// maxHeaders bounds the headers of one headerSet: the five rate-limit
+// headers, the seven of openai_headers and the five of a denial.
+const maxHeaders = 17
+
+// headerBuf is the size of the stack buffer for a headerSet's text: the
+// numbers and lists of a few buckets. More text moves it to the heap.
+const headerBuf = 256
+
+// headerSet collects a response's header values so that two allocations
+// set them all. Values built in a buffer (numbers, lists) become one
+// string, sliced; values that are strings already are used as they are.
+// Every header's []string is a sub-slice of one backing array with length
+// and capacity 1, so that an append to one header (Header.Add) copies
+// instead of writing into the next. The array is this response's own:
+// Caddy's header replace writes into value slices in place, so a slice
+// shared between responses would carry one response's edit into the next.
+//
+// The buffer is the caller's, passed in, so that it can live on the stack.
+type headerSet struct {
+	n      int
+	last   int // the buffer's length at the last cut
+	names  [maxHeaders]string
+	values [maxHeaders]string // given whole; "" for a value in the buffer
+	ends   [maxHeaders]int    // where each value ends in the buffer
+}
+
+// cut adds header name with the bytes appended to buf since the last cut.
+func (s *headerSet) cut(name string, buf []byte) {
+	s.last = len(buf)
+	s.names[s.n], s.ends[s.n] = name, s.last
+	s.n++
+}
+
+// add adds header name with value.
+func (s *headerSet) add(name, value string) {
+	s.names[s.n], s.values[s.n], s.ends[s.n] = name, value, s.last
+	s.n++
+}
+
+// setIn sets the headers in hdr; buf is the buffer the cuts were made in.
+func (s *headerSet) setIn(hdr http.Header, buf []byte) {
+	all := string(buf)
+	vals := make([]string, s.n)
+	start := 0
+	for i := range s.n {
+		if vals[i] = s.values[i]; vals[i] == "" {
+			vals[i] = all[start:s.ends[i]]
+		}
+		start = s.ends[i]
+		hdr[s.names[i]] = vals[i : i+1 : i+1]
+	}
 }
 
 // resetSeconds is a bucket's t: the seconds until it can serve the request
@@ -135,25 +242,43 @@ func setPlaceholders(repl *caddy.Replacer, limits []*limit, d *bucket.Decision) 
 		return
 	}
 	repl.Set("http.token_bucket.decision", "denied")
-	repl.Set("http.token_bucket.dimension", limits[i].dimension)
+	repl.Set("http.token_bucket.dimension", limits[i].dimValue)
 	if d.Reason == bucket.RateLimited {
 		repl.Set("http.token_bucket.retry_after", d.RetryAfterSeconds())
 	}
 }
 
 // deny answers a denied request: 429 with Retry-After, retry-after-ms and a
-// JSON body, or a Caddy error for handle_errors when on_deny is "error".
-func (h *Handler) deny(w http.ResponseWriter, t *tier, req *request, d *bucket.Decision) error {
-	hdr := w.Header()
-	hdr["Cache-Control"] = []string{"no-store"}
+// JSON body, or a Caddy error for handle_errors when on_deny is "error". It
+// sets the headers in hs (with their text in b) with its own.
+func (h *Handler) deny(w http.ResponseWriter, t *tier, req *request, d *bucket.Decision, hs *headerSet, b []byte) error {
+	hs.add("Cache-Control", "no-store")
+	if d.Reason == bucket.RateLimited {
+		b = strconv.AppendInt(b, d.RetryAfterSeconds(), 10)
+		hs.cut("Retry-After", b)
+		b = strconv.AppendInt(b, d.RetryAfterMS, 10)
+		hs.cut("Retry-After-Ms", b)
+	}
+	if h.OnDeny == DenyError {
+		hs.setIn(w.Header(), b)
+		return caddyhttp.Error(http.StatusTooManyRequests, errDenied)
+	}
+	body := denyBody(t, req, d)
+	hs.add("Content-Type", "application/json")
+	b = strconv.AppendInt(b, int64(len(body)), 10)
+	hs.cut("Content-Length", b)
+	hs.setIn(w.Header(), b)
+	return writeBody(w, http.StatusTooManyRequests, body)
+}
+
+// denyBody returns the JSON body of a denial.
+func denyBody(t *tier, req *request, d *bucket.Decision) []byte {
 	l := req.limits[d.Deciding]
 	body := make([]byte, 0, 160)
 	body = append(body, `{"error":"`...)
 	body = append(body, d.Reason.String()...)
 	body = append(body, '"')
 	if d.Reason == bucket.RateLimited {
-		hdr["Retry-After"] = []string{strconv.FormatInt(d.RetryAfterSeconds(), 10)}
-		hdr["Retry-After-Ms"] = []string{strconv.FormatInt(d.RetryAfterMS, 10)}
 		body = append(body, `,"retry_after":`...)
 		body = strconv.AppendInt(body, d.RetryAfterSeconds(), 10)
 		body = append(body, `,"retry_after_ms":`...)
@@ -173,11 +298,7 @@ func (h *Handler) deny(w http.ResponseWriter, t *tier, req *request, d *bucket.D
 	if req.demoted {
 		body = append(body, `,"demoted":true`...)
 	}
-	body = append(body, "}\n"...)
-	if h.OnDeny == DenyError {
-		return caddyhttp.Error(http.StatusTooManyRequests, errDenied)
-	}
-	return writeJSON(w, http.StatusTooManyRequests, body)
+	return append(body, "}\n"...)
 }
 
 // invalidCost answers a request whose cost is not an integer from 0 to
@@ -211,10 +332,19 @@ func (h *Handler) unavailable(w http.ResponseWriter) error {
 		[]byte(`{"error":"rate_limiter_unavailable","message":"the rate limiter cannot reach its store; retry shortly"}`+"\n"))
 }
 
+// writeJSON answers with status and a JSON body.
 func writeJSON(w http.ResponseWriter, status int, body []byte) error {
-	hdr := w.Header()
-	hdr["Content-Type"] = []string{"application/json"}
-	hdr["Content-Length"] = []string{strconv.Itoa(len(body))}
+	var hs headerSet
+	var arr [20]byte
+	hs.add("Content-Type", "application/json")
+	b := strconv.AppendInt(arr[:0], int64(len(body)), 10)
+	hs.cut("Content-Length", b)
+	hs.setIn(w.Header(), b)
+	return writeBody(w, status, body)
+}
+
+// writeBody writes the status and body; the headers are set.
+func writeBody(w http.ResponseWriter, status int, body []byte) error {
 	w.WriteHeader(status)
 	_, err := w.Write(body)
 	return err

@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"net/netip"
 	"strconv"
+	"strings"
 
 	"github.com/caddyserver/caddy/v2"
 
@@ -13,8 +14,10 @@ import (
 
 // tier is a Tier compiled for the request path.
 type tier struct {
-	name   string
-	limits []limit
+	name      string
+	nameValue any // name boxed once, for the tier placeholder
+	limits    []limit
+	policy    string // RateLimit-Policy of a request that applies every limit
 }
 
 // limit is a Limit compiled for the request path.
@@ -27,6 +30,7 @@ type limit struct {
 	local     bucket.Spec // spec scaled by local_share, for on_redis_error local
 	name      string      // header item name: the dimension, "-tokens" appended for tokens
 	policy    string      // the RateLimit-Policy item, e.g. "user";q=10;w=60
+	dimValue  any         // dimension boxed once, for the dimension placeholder
 }
 
 // compileTiers turns validated tiers into their request-path form and
@@ -38,10 +42,10 @@ func compileTiers(dims []Dimension, tiers []Tier, defaultTier string, share floa
 	}
 	byName := make(map[string]*tier, len(tiers))
 	for _, t := range tiers {
-		ct := &tier{name: t.Name}
+		ct := &tier{name: t.Name, nameValue: t.Name}
 		for _, l := range t.Limits {
 			spec, _ := l.spec() // validated
-			cl := limit{dim: index[l.Dimension], dimension: l.Dimension, spec: spec, name: l.Dimension}
+			cl := limit{dim: index[l.Dimension], dimension: l.Dimension, dimValue: l.Dimension, spec: spec, name: l.Dimension}
 			if l.unit() == UnitTokens {
 				cl.unit, cl.tokens, cl.name = UnitTokens, true, l.Dimension+"-tokens"
 			}
@@ -49,6 +53,11 @@ func compileTiers(dims []Dimension, tiers []Tier, defaultTier string, share floa
 			cl.local = localSpec(l, spec, share)
 			ct.limits = append(ct.limits, cl)
 		}
+		all := make([]*limit, len(ct.limits))
+		for i := range ct.limits {
+			all[i] = &ct.limits[i]
+		}
+		ct.policy = string(appendPolicy(nil, all))
 		byName[t.Name] = ct
 	}
 	deflt := byName[tiers[0].Name]
@@ -106,6 +115,38 @@ type request struct {
 	demoted   bool // decided on a demotion's penalty tier, or demoted by this denial
 }
 
+// requestOf1 and requestOf4 hold a request and the arrays its slices use,
+// so that a request of up to four buckets is one allocation.
+type (
+	requestOf1 struct {
+		req    request
+		keys   [1]string
+		takes  [1]bucket.Take
+		limits [1]*limit
+	}
+	requestOf4 struct {
+		req    request
+		keys   [4]string
+		takes  [4]bucket.Take
+		limits [4]*limit
+	}
+)
+
+// newRequest returns an empty request with room for n buckets.
+func newRequest(n int) *request {
+	switch {
+	case n <= 1:
+		b := new(requestOf1)
+		b.req = request{keys: b.keys[:0], takes: b.takes[:0], limits: b.limits[:0]}
+		return &b.req
+	case n <= 4:
+		b := new(requestOf4)
+		b.req = request{keys: b.keys[:0:n], takes: b.takes[:0:n], limits: b.limits[:0:n]}
+		return &b.req
+	}
+	return &request{keys: make([]string, 0, n), takes: make([]bucket.Take, 0, n), limits: make([]*limit, 0, n)}
+}
+
 // hasTokens reports whether the request is charged in a "tokens" limit.
 func (r *request) hasTokens() bool {
 	for _, l := range r.limits {
@@ -136,8 +177,9 @@ func (h *Handler) cachedDenial(req *request) (*request, bucket.Decision, bool) {
 		if !ok {
 			continue
 		}
-		if sub == nil {
-			sub = &request{}
+		if sub == nil { // room for this bucket and every one after it
+			sub = newRequest(len(req.keys) - i)
+			results = make([]bucket.Result, 0, len(req.keys)-i)
 		}
 		sub.keys, sub.takes, sub.limits = append(sub.keys, k), append(sub.takes, req.takes[i]), append(sub.limits, req.limits[i])
 		results = append(results, bucket.Result{Remaining: remaining, Reason: bucket.RateLimited, RetryAfterMS: wait})
@@ -151,8 +193,7 @@ func (h *Handler) cachedDenial(req *request) (*request, bucket.Decision, bool) {
 // buildRequest resolves the identities and the cost of the tier's limits.
 // It fails only on an invalid cost.
 func (h *Handler) buildRequest(r *http.Request, repl *caddy.Replacer, t *tier) (*request, error) {
-	n := len(t.limits)
-	req := &request{keys: make([]string, 0, n), takes: make([]bucket.Take, 0, n), limits: make([]*limit, 0, n)}
+	req := newRequest(len(t.limits))
 	var idsBuf [8]string
 	ids := idsBuf[:0]
 	if len(h.Dimensions) > len(idsBuf) {
@@ -199,11 +240,39 @@ func (h *Handler) buildRequest(r *http.Request, repl *caddy.Replacer, t *tier) (
 // skipped because a placeholder in it is empty or unknown. An identity that
 // is an IP address is masked to the configured prefix.
 func (h *Handler) identity(repl *caddy.Replacer, i int) string {
-	id, err := repl.ReplaceOrErr(h.Dimensions[i].Identity, true, true)
-	if err != nil || id == "" {
+	var id string
+	if i < len(h.idKeys) && h.idKeys[i] != "" {
+		// What ReplaceOrErr gives for a lone placeholder, without copying
+		// the value into a new string.
+		if v, ok := repl.Get(h.idKeys[i]); ok {
+			id = caddy.ToString(v)
+		}
+	} else {
+		var err error
+		if id, err = repl.ReplaceOrErr(h.Dimensions[i].Identity, true, true); err != nil {
+			return ""
+		}
+	}
+	if id == "" {
 		return ""
 	}
 	return h.normalizeIdentity(id)
+}
+
+// placeholderKey returns key when template is exactly one placeholder,
+// "{key}", and "" otherwise. For such a template Replacer.ReplaceOrErr
+// returns the placeholder's value as a string, or an error when it is
+// unknown or empty. Keys with braces or escapes, and {file.*} (memoized
+// by the replacer), are left to ReplaceOrErr.
+func placeholderKey(template string) string {
+	if len(template) < 3 || template[0] != '{' || template[len(template)-1] != '}' {
+		return ""
+	}
+	key := template[1 : len(template)-1]
+	if strings.ContainsAny(key, `{}\`) || strings.HasPrefix(key, "file.") {
+		return ""
+	}
+	return key
 }
 
 // normalizeIdentity gives an identity its form in keys: an IP address is
@@ -211,15 +280,41 @@ func (h *Handler) identity(repl *caddy.Replacer, i int) string {
 // counts as IPv4), anything else is kept as it is. The admin API uses it
 // for identities typed by an operator.
 func (h *Handler) normalizeIdentity(id string) string {
-	if ip, err := netip.ParseAddr(id); err == nil {
-		ip = ip.Unmap().WithZone("")
-		bits := h.IPv6Prefix
-		if ip.Is4() {
-			bits = h.IPv4Prefix
-		}
-		if p, err := ip.Prefix(bits); err == nil {
-			return p.String()
+	if !mayBeAddr(id) {
+		return id // API keys and names: spares ParseAddr's error value
+	}
+	ip, err := netip.ParseAddr(id)
+	if err != nil {
+		return id
+	}
+	ip = ip.Unmap().WithZone("")
+	bits := h.IPv6Prefix
+	if ip.Is4() {
+		bits = h.IPv4Prefix
+	}
+	p, err := ip.Prefix(bits)
+	if err != nil {
+		return id
+	}
+	var buf [len("ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff/128")]byte
+	return string(p.AppendTo(buf[:0])) // as p.String(), in one allocation
+}
+
+// mayBeAddr reports whether netip.ParseAddr could accept s: before any
+// '%' (an IPv6 zone, which may hold any byte) only hex digits, '.' and
+// ':', with at least one '.' or ':'.
+func mayBeAddr(s string) bool {
+	sep := false
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case c == '.' || c == ':':
+			sep = true
+		case c == '%':
+			return sep
+		case '0' <= c && c <= '9', 'a' <= c && c <= 'f', 'A' <= c && c <= 'F':
+		default:
+			return false
 		}
 	}
-	return id
+	return sep
 }

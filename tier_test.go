@@ -1,0 +1,95 @@
+package tokenbucket
+
+import (
+	"errors"
+	"net/netip"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+// TestNormalizeIdentityForms: addresses are masked whatever their spelling
+// (upper case, IPv4-mapped, a zone of any bytes); API keys, names and
+// near-addresses are kept as they are.
+func TestNormalizeIdentityForms(t *testing.T) {
+	h := &Handler{IPv4Prefix: 24, IPv6Prefix: 48}
+	for _, tc := range []struct{ id, want string }{
+		{"192.0.2.7", "192.0.2.0/24"},
+		{"::ffff:192.0.2.7", "192.0.2.0/24"},
+		{"2001:DB8:1:2::1", "2001:db8:1::/48"},
+		{"fe80::1%eth0", "fe80::/48"},
+		{"fe80::1%zone with spaces", "fe80::/48"},
+		{"192.0.2.7%eth0", "192.0.2.7%eth0"}, // IPv4 has no zone
+		{"fe80::1%", "fe80::1%"},
+		{"1.2.3", "1.2.3"},
+		{"deadbeef", "deadbeef"},
+		{"dead:beef", "dead:beef"},
+		{"sk-live-0123456789abcdef", "sk-live-0123456789abcdef"},
+		{"user-42", "user-42"},
+		{"%eth0", "%eth0"},
+	} {
+		if got := h.normalizeIdentity(tc.id); got != tc.want {
+			t.Errorf("normalizeIdentity(%q) = %q, want %q", tc.id, got, tc.want)
+		}
+	}
+}
+
+// FuzzNormalizeIdentity: skipping netip.ParseAddr for identities that
+// cannot be addresses changes no result.
+func FuzzNormalizeIdentity(f *testing.F) {
+	for _, s := range []string{"192.0.2.7", "::1", "fe80::1%eth0", "::ffff:1.2.3.4", "1::2::3", "0.0.0.0",
+		"ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff", "1:2:3:4:5:6:1.2.3.4", "a.b", "%", ":", "sk-0123", ""} {
+		f.Add(s, 32, 64)
+		f.Add(s, 8, 3)
+	}
+	f.Fuzz(func(t *testing.T, id string, v4, v6 int) {
+		h := &Handler{IPv4Prefix: v4, IPv6Prefix: v6}
+		want := id
+		if ip, err := netip.ParseAddr(id); err == nil {
+			ip = ip.Unmap().WithZone("")
+			bits := v6
+			if ip.Is4() {
+				bits = v4
+			}
+			if p, err := ip.Prefix(bits); err == nil {
+				want = p.String()
+			}
+		}
+		if got := h.normalizeIdentity(id); got != want {
+			t.Errorf("normalizeIdentity(%q) with /%d /%d = %q, want %q", id, v4, v6, got, want)
+		}
+	})
+}
+
+// TestLonePlaceholderIdentity: an identity template that is one
+// placeholder, read with Replacer.Get, resolves as ReplaceOrErr would
+// resolve it, for every kind of value; other templates go to ReplaceOrErr.
+func TestLonePlaceholderIdentity(t *testing.T) {
+	repl := caddy.NewReplacer()
+	for k, v := range map[string]any{"s": "alice", "braces": "{s}", "n": 12345, "empty": "", "nil": nil,
+		"err": errors.New("boom"), "bytes": []byte("raw"), "ip": "192.0.2.7", "": "empty key"} {
+		repl.Set(k, v)
+	}
+	templates := []string{"{s}", "{braces}", "{n}", "{empty}", "{nil}", "{err}", "{bytes}", "{ip}", "{unknown}",
+		"{}", "x{s}", "{s}x", "{s}{n}", `{s\}`, `\{s}`, "{s", "s}", "{{s}}", "plain"}
+	var dims []Dimension
+	for _, tmpl := range templates {
+		dims = append(dims, Dimension{Name: "d", Identity: tmpl})
+	}
+	fast := &Handler{Dimensions: dims, IPv4Prefix: 32, IPv6Prefix: 64, idKeys: make([]string, len(dims))}
+	for i, d := range dims {
+		fast.idKeys[i] = placeholderKey(d.Identity)
+	}
+	slow := &Handler{Dimensions: dims, IPv4Prefix: 32, IPv6Prefix: 64} // no idKeys: ReplaceOrErr
+	for i, tmpl := range templates {
+		if got, want := fast.identity(repl, i), slow.identity(repl, i); got != want {
+			t.Errorf("template %q (key %q): identity %q, ReplaceOrErr gives %q", tmpl, fast.idKeys[i], got, want)
+		}
+	}
+	for tmpl, want := range map[string]string{"{s}": "s", "{http.request.header.X-User}": "http.request.header.X-User",
+		"{}": "", "x{s}": "", "{s}{n}": "", `{s\}`: "", "{file.key}": ""} {
+		if got := placeholderKey(tmpl); got != want {
+			t.Errorf("placeholderKey(%q) = %q, want %q", tmpl, got, want)
+		}
+	}
+}
