@@ -1,7 +1,7 @@
 --[[
-demote.lua: token_bucket.lua for a handler with a demotion rule. It is
-appended to token_bucket.lua in place of that script's last two lines, so
-the decision is the same code.
+demote.lua: token_bucket.lua for a handler with a demotion rule. It follows
+token_bucket.lua's prelude in place of that script's entry, and decides with
+its decide block, so the decision is the same code.
 
 An identity that keeps hammering while limited is moved to a stricter tier
 for a while: every denial (rate_limit_exceeded, not cost_exceeds_capacity)
@@ -23,30 +23,29 @@ Reply    {demoted, demoted_ms, <token_bucket.lua's reply>}: demoted is 0
 ]]
 
 local nn, threshold, window, span = unpack('<dddd', ARGV[1])
-local left = redis.call('PTTL', KEYS[1])
-if left > 0 then
-  local reply = decide(2 + nn, 1 + nn, #KEYS - 2 - nn)
-  if type(reply) ~= 'table' then return reply end
-  table.insert(reply, 1, left)
-  table.insert(reply, 1, 1)
-  return reply
-end
+local left = call('PTTL', KEYS[1])
+local demoted = left > 0
+-- The buckets to decide: the penalty tier's while demoted, else the own.
+local ko, ao, n = 2, 1, nn
+if demoted then ko, ao, n = 2 + nn, 1 + nn, #KEYS - 2 - nn end
 
-local reply, allowed = decide(2, 1, nn)
-if type(reply) ~= 'table' then return reply end
+--[[use decide]]
+
 local state = 0
-left = 0
-if not allowed then
+if demoted then
+  state = 1
+else
+  left = 0
   local limited = false
-  for i = 1, nn do
+  for i = 1, n do
     if reply[3 * i - 1] > 0 then limited = true end
   end
   if limited then
-    local count = redis.call('INCR', KEYS[2])
-    if count == 1 then redis.call('PEXPIRE', KEYS[2], window) end
+    local count = call('INCR', KEYS[2])
+    if count == 1 then call('PEXPIRE', KEYS[2], window) end
     if count >= threshold then
-      redis.call('SET', KEYS[1], '1', 'PX', span)
-      redis.call('DEL', KEYS[2])
+      call('SET', KEYS[1], '1', 'PX', span)
+      call('DEL', KEYS[2])
       state, left = 2, span
     end
   end

@@ -5,6 +5,7 @@ package lua
 
 import (
 	_ "embed"
+	"regexp"
 	"strings"
 
 	"github.com/redis/go-redis/v9"
@@ -20,26 +21,76 @@ var Source string
 // failover or SCRIPT FLUSH), which loads it again.
 var TokenBucket = redis.NewScript(Source)
 
-// mainReturn ends token_bucket.lua: the entry that decides every key.
-const mainReturn = "\nlocal reply = decide(0, 0, #KEYS)\nreturn reply\n"
+// mainEntry is the line of token_bucket.lua after its prelude (header,
+// clock and locals): what follows is its own entry, which decides every
+// key.
+const mainEntry = "\nlocal ko, ao, n = 0, 0, #KEYS\n"
 
-// core is token_bucket.lua without its main entry: the clock and the
-// functions that read, refill and decide buckets, which the other scripts
-// share.
-var core = func() string {
-	c, ok := strings.CutSuffix(Source, mainReturn)
+// prelude is token_bucket.lua up to its own entry: the clock and the
+// locals that the other scripts' entries use.
+var prelude = func() string {
+	p, _, ok := strings.Cut(Source, mainEntry)
 	if !ok {
-		panic("lua: token_bucket.lua does not end with its main entry")
+		panic("lua: token_bucket.lua has no main entry line")
 	}
-	return c + "\n"
+	return p + "\n"
 }()
+
+// blocks are token_bucket.lua's shared blocks by name: the text between a
+// line "--[[block NAME]]" and a line "--[[end NAME]]". Blocks nest; the
+// marker lines of an inner block stay in the outer one as comments.
+var blocks = func() map[string]string {
+	type open struct {
+		name string
+		at   int
+	}
+	var stack []open
+	m := map[string]string{}
+	for at := 0; at < len(Source); {
+		line, _, _ := strings.Cut(Source[at:], "\n")
+		next := at + len(line) + 1
+		marker := strings.TrimSpace(line)
+		if name, ok := strings.CutPrefix(marker, "--[[block "); ok {
+			stack = append(stack, open{strings.TrimSuffix(name, "]]"), next})
+		} else if name, ok := strings.CutPrefix(marker, "--[[end "); ok {
+			name = strings.TrimSuffix(name, "]]")
+			if len(stack) == 0 || stack[len(stack)-1].name != name {
+				panic("lua: token_bucket.lua ends block " + name + " that is not open")
+			}
+			m[name] = Source[stack[len(stack)-1].at:at]
+			stack = stack[:len(stack)-1]
+		}
+		at = next
+	}
+	if len(stack) > 0 {
+		panic("lua: token_bucket.lua leaves block " + stack[len(stack)-1].name + " open")
+	}
+	return m
+}()
+
+// useLine is an entry's line that asks for a block.
+var useLine = regexp.MustCompile(`(?m)^[ \t]*--\[\[use (\w+)\]\]\n`)
+
+// use pastes token_bucket.lua's blocks into an entry in place of its lines
+// "--[[use NAME]]". An unknown name is a programming error.
+func use(entry string) string {
+	return useLine.ReplaceAllStringFunc(entry, func(line string) string {
+		name := useLine.FindStringSubmatch(line)[1]
+		b, ok := blocks[name]
+		if !ok {
+			panic("lua: no block " + name + " in token_bucket.lua")
+		}
+		return b
+	})
+}
 
 //go:embed demote.lua
 var demoteEntry string
 
-// DemoteSource is token_bucket.lua with demote.lua's entry in place of its
-// own: the same decision, plus counting denials and demoting.
-var DemoteSource = core + demoteEntry
+// DemoteSource is token_bucket.lua's prelude with demote.lua's entry, which
+// uses its decide block: the same decision, plus counting denials and
+// demoting.
+var DemoteSource = prelude + use(demoteEntry)
 
 // Demote is the script for handlers with a demotion rule.
 var Demote = redis.NewScript(DemoteSource)
@@ -47,8 +98,9 @@ var Demote = redis.NewScript(DemoteSource)
 //go:embed refund.lua
 var refundEntry string
 
-// RefundSource is token_bucket.lua's core with refund.lua's entry.
-var RefundSource = core + refundEntry
+// RefundSource is token_bucket.lua's prelude with refund.lua's entry, which
+// uses its load and full blocks.
+var RefundSource = prelude + use(refundEntry)
 
 // Refund gives back what TokenBucket charged, for a request denied by a
 // bucket on another Redis Cluster slot.
@@ -57,8 +109,9 @@ var Refund = redis.NewScript(RefundSource)
 //go:embed settle.lua
 var settleEntry string
 
-// SettleSource is token_bucket.lua's core with settle.lua's entry.
-var SettleSource = core + settleEntry
+// SettleSource is token_bucket.lua's prelude with settle.lua's entry, which
+// uses its load and full blocks.
+var SettleSource = prelude + use(settleEntry)
 
 // Settle charges or gives back the difference between a request's
 // estimated and actual LLM tokens, once per request.

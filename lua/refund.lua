@@ -1,8 +1,8 @@
 --[[
 refund.lua: give back what token_bucket.lua charged, for a request that a
-bucket on another Redis Cluster slot denied. It is appended to
-token_bucket.lua in place of that script's main entry, so a bucket's state
-is read and refilled by the same code (load, fullms).
+bucket on another Redis Cluster slot denied. It follows token_bucket.lua's
+prelude in place of that script's entry, and reads and refills a bucket
+with its load block, so the state is read by the same code.
 
 A bucket charged c at t1 and refunded at t2 holds min(C, T(t2) + c), which
 equals what it would hold at t2 had it never been charged: the refill up to
@@ -17,16 +17,18 @@ Reply    the number of buckets refunded. A key that is gone is a full
 
 local refunded = 0
 for i = 1, #KEYS do
+  local key = KEYS[i]
   local cap, refill, scale, cost = unpack('<dddd', ARGV[i])
-  if cost > 0 and redis.call('EXISTS', KEYS[i]) == 1 then
-    local u, last = load(KEYS[i], cap, refill, scale)
-    if not u then return last end
+  if cost > 0 and call('EXISTS', key) == 1 then
+    --[[use load]]
     if now > last then last = now end
-    u = math.min(cap, u + cost)
+    u = u + cost
+    if u > cap then u = cap end
     if u >= cap then
-      redis.call('DEL', KEYS[i])
+      call('DEL', key)
     else
-      redis.call('SET', KEYS[i], pack('<ddd', u, scale, last), 'PX', fullms(cap, refill, u, last))
+      --[[use full]]
+      call('SET', key, pack('<ddd', u, scale, last), 'PX', full)
     end
     refunded = refunded + 1
   end

@@ -1,8 +1,9 @@
 --[[
 settle.lua: charge or give back the difference between a request's
-estimated and actual LLM tokens, once per request. It is appended to
-token_bucket.lua in place of that script's main entry, so a bucket's state
-is read and refilled by the same code (load, fullms).
+estimated and actual LLM tokens, once per request. It follows
+token_bucket.lua's prelude in place of that script's entry, and reads and
+refills a bucket with its load block, so the state is read by the same
+code.
 
 KEYS[1]  the settlement marker: SET NX, so a second settlement of the same
          request (a retried call) changes nothing.
@@ -16,21 +17,22 @@ ARGV[i]  (i >= 2) bucket i's parameters as in token_bucket.lua, the cost
 Reply    1 when settled, 0 when the request was settled before.
 ]]
 
-if not redis.call('SET', KEYS[1], '1', 'NX', 'PX', ARGV[1]) then
+if not call('SET', KEYS[1], '1', 'NX', 'PX', ARGV[1]) then
   return 0
 end
 
 for i = 2, #KEYS do
+  local key = KEYS[i]
   local cap, refill, scale, delta = unpack('<dddd', ARGV[i])
-  local u, last = load(KEYS[i], cap, refill, scale)
-  if not u then return last end
+  --[[use load]]
   if now > last then last = now end
   u = u - delta
   if u < -cap then u = -cap end
   if u >= cap then
-    redis.call('DEL', KEYS[i])
+    call('DEL', key)
   else
-    redis.call('SET', KEYS[i], pack('<ddd', u, scale, last), 'PX', fullms(cap, refill, u, last))
+    --[[use full]]
+    call('SET', key, pack('<ddd', u, scale, last), 'PX', full)
   end
 end
 return 1

@@ -1,0 +1,61 @@
+package lua
+
+import (
+	"slices"
+	"strings"
+	"testing"
+)
+
+// TestScriptsShareBlocks checks that token_bucket.lua's blocks are found
+// and that every other script pastes exactly the blocks it asks for, so a
+// state read or refill is the same text in every script.
+func TestScriptsShareBlocks(t *testing.T) {
+	var names []string
+	for name := range blocks {
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	if want := []string{"decide", "full", "load"}; !slices.Equal(names, want) {
+		t.Fatalf("blocks %q, want %q", names, want)
+	}
+	for name, b := range blocks {
+		if !strings.Contains(Source, b) || strings.TrimSpace(b) == "" {
+			t.Errorf("block %s is not a part of token_bucket.lua", name)
+		}
+	}
+	if !strings.Contains(blocks["decide"], blocks["load"]) || !strings.Contains(blocks["decide"], blocks["full"]) {
+		t.Error("decide does not hold load and full")
+	}
+	for _, c := range []struct {
+		name, source string
+		uses         []string
+	}{
+		{"demote", DemoteSource, []string{"decide"}},
+		{"settle", SettleSource, []string{"load", "full"}},
+		{"refund", RefundSource, []string{"load", "full"}},
+	} {
+		if !strings.HasPrefix(c.source, prelude) || !strings.Contains(prelude, ClockLine) {
+			t.Errorf("%s does not start with token_bucket.lua's prelude and clock", c.name)
+		}
+		rest := strings.TrimPrefix(c.source, prelude)
+		if strings.Contains(rest, "--[[use ") {
+			t.Errorf("%s keeps a use line", c.name)
+		}
+		for _, u := range c.uses {
+			if n := strings.Count(rest, blocks[u]); n != 1 {
+				t.Errorf("%s holds block %s %d times, want 1", c.name, u, n)
+			}
+		}
+	}
+}
+
+// TestUseUnknownBlockPanics checks that a misspelt block name fails at
+// once rather than leaving the line as a comment.
+func TestUseUnknownBlockPanics(t *testing.T) {
+	defer func() {
+		if r := recover(); r == nil || !strings.Contains(r.(string), "no block lod") {
+			t.Fatalf("recover() = %v, want a panic naming block lod", r)
+		}
+	}()
+	use("  --[[use lod]]\n")
+}
