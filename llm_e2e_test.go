@@ -1017,7 +1017,9 @@ func TestOpenAIHeadersLongestWait(t *testing.T) {
 	} {
 		d := bucket.Summarize(tc.results)
 		hdr := http.Header{}
-		openAIHeaders(hdr, limits, &d)
+		var hs headerSet
+		var arr [64]byte
+		hs.setIn(hdr, appendOpenAIHeaders(&hs, arr[:0], limits, &d))
 		wantHeaders(t, tc.name, hdr,
 			"x-ratelimit-limit-tokens", "1000",
 			"x-ratelimit-remaining-tokens", tc.remaining,

@@ -70,14 +70,6 @@ var openAINames = [2][3]string{
 	{"X-Ratelimit-Limit-Tokens", "X-Ratelimit-Remaining-Tokens", "X-Ratelimit-Reset-Tokens"},
 }
 
-// openAIHeaders sets the headers of openai_headers alone; addHeaders adds
-// them with the others.
-func openAIHeaders(hdr http.Header, limits []*limit, d *bucket.Decision) {
-	var hs headerSet
-	var arr [64]byte
-	hs.setIn(hdr, appendOpenAIHeaders(&hs, arr[:0], limits, d))
-}
-
 // appendOpenAIHeaders adds x-ratelimit-{limit,remaining,reset}-{requests,
 // tokens} for the most constrained bucket of each unit, as OpenAI's API
 // sends them (reset as a Go duration such as "6m0s"), and x-should-retry:
