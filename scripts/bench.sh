@@ -10,6 +10,10 @@
 #          runs
 #   redis  scripts/scriptstats: Redis-side µs per call of each script path
 #          (INFO commandstats) and one caller's round trips against PING
+#   instr  instructions redis-server executes per call of each script path
+#          (valgrind --tool=callgrind, scriptstats -only): the difference
+#          between BENCH_INSTR_CALLS and 200 calls, over their difference;
+#          unlike time, a count that the machine's load does not move
 #   http   wrk against bin/caddy (bench/e2e.Caddyfile): (a) respond,
 #          (b) token_bucket allowed, (c) denied from the deny cache,
 #          (d) token_bucket + reverse_proxy, (e) reverse_proxy alone; the
@@ -28,16 +32,16 @@
 # summary.md, which is printed at the end. The load average is recorded
 # before each phase: a busy machine makes every figure worse.
 #
-# Environment (defaults): BENCH_PHASES (go,redis,http), BENCH_GO_COUNT (3),
+# Environment (defaults): BENCH_PHASES (go,redis,instr,http), BENCH_GO_COUNT (3),
 # BENCH_GO_BENCHTIME (500ms), BENCH_GO_PATTERN (.), BENCH_GO_PKGS
 # (". ./bucket": every benchmark of the two packages), BENCH_ROUNDS (3),
 # BENCH_DURATION (10, seconds per wrk run), BENCH_THREADS (2),
 # BENCH_CONNECTIONS (50), BENCH_PIN (1), BENCH_CALLS (100000, scriptstats
-# calls per path), BENCH_OUT.
+# calls per path), BENCH_INSTR_CALLS (1200), BENCH_OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PHASES="${BENCH_PHASES:-go,redis,http}"
+PHASES="${BENCH_PHASES:-go,redis,instr,http}"
 GO_COUNT="${BENCH_GO_COUNT:-3}"
 GO_BENCHTIME="${BENCH_GO_BENCHTIME:-500ms}"
 GO_PATTERN="${BENCH_GO_PATTERN:-.}"
@@ -48,6 +52,7 @@ THREADS="${BENCH_THREADS:-2}"
 CONNECTIONS="${BENCH_CONNECTIONS:-50}"
 PIN="${BENCH_PIN:-1}"
 CALLS="${BENCH_CALLS:-100000}"
+INSTR_CALLS="${BENCH_INSTR_CALLS:-1200}"
 OUT="${BENCH_OUT:-.run/bench/$(date -u +%Y%m%dT%H%M%SZ)}"
 CONFIGS="a b c d e"
 if [ "$PIN" = 1 ] && { [ "$(nproc)" -lt 2 ] || ! command -v taskset >/dev/null 2>&1; }; then
@@ -107,6 +112,7 @@ install_tools() {
 	command -v wrk >/dev/null 2>&1 || missing+=(wrk)
 	command -v taskset >/dev/null 2>&1 || missing+=(util-linux)
 	command -v python3 >/dev/null 2>&1 || missing+=(python3)
+	if has_phase instr; then command -v valgrind >/dev/null 2>&1 || missing+=(valgrind); fi
 	[ ${#missing[@]} -eq 0 ] && return
 	local sudo=""
 	[ "$(id -u)" -ne 0 ] && sudo="sudo"
@@ -227,6 +233,53 @@ redis_phase() {
 	cat "$OUT/scriptstats.md"
 	say ""
 	stop_pid "$redis_pid"
+}
+
+# instructions prints the instructions (callgrind's total Ir) a
+# redis-server executes from its start to its shutdown, with $2 calls of the
+# scriptstats path whose name starts with $1 in between; nothing when the
+# calls failed.
+instructions() {
+	local port out
+	port="$(free_port)"
+	out="$tmp/callgrind.$port"
+	valgrind --tool=callgrind --callgrind-out-file="$out" redis-server --port "$port" --bind 127.0.0.1 \
+		--save '' --appendonly no --dir "$tmp" --logfile '' >"$out.log" 2>&1 &
+	local pid=$!
+	for _ in $(seq 200); do
+		[ "$(redis-cli -p "$port" ping 2>/dev/null)" = PONG ] && break
+		sleep 0.1
+	done
+	local ok=1
+	"$tmp/scriptstats" -addr "127.0.0.1:$port" -only "$1" -serial "$2" || ok=0
+	redis-cli -p "$port" shutdown nosave >/dev/null 2>&1 || true
+	wait "$pid" || true
+	# Nothing is printed when the calls failed: the caller reports it.
+	[ "$ok" = 1 ] && awk '/^(summary|totals):/ { print $2; exit }' "$out"
+	rm -f "$out" "$out.log"
+}
+
+instr_phase() {
+	say "## Redis side in instructions (valgrind --tool=callgrind; load average before: $(load_average))"
+	say ""
+	say "Instructions redis-server executes per call, I/O included: (Ir with $INSTR_CALLS calls − Ir with"
+	say "200 calls) / $((INSTR_CALLS - 200)), one caller. The count is the same whatever else the machine is doing."
+	say ""
+	go build -o "$tmp/scriptstats" ./scripts/scriptstats
+	say "| path | instructions per call |"
+	say "|---|---:|"
+	local p low high
+	for p in "INCR" "empty script" "TIME+GET script" "TIME+GET+SET script" \
+		"allow, 1 bucket" "allow, 3 buckets" "deny, 1 bucket" "deny, 3 buckets"; do
+		low="$(instructions "$p" 200)"
+		high="$(instructions "$p" "$INSTR_CALLS")"
+		if [ -z "$low" ] || [ -z "$high" ]; then
+			failed+=("callgrind: $p")
+			continue
+		fi
+		say "| $p | $(((high - low) / (INSTR_CALLS - 200))) |"
+	done
+	say ""
 }
 
 # --- http: wrk against Caddy ----------------------------------------------
@@ -445,6 +498,7 @@ machine
 start=$SECONDS
 has_phase go && go_phase
 has_phase redis && redis_phase
+has_phase instr && instr_phase
 has_phase http && http_phase
 say "- load average at end: $(load_average); wall time $((SECONDS - start))s"
 echo

@@ -19,6 +19,11 @@
 // Caller side: one goroutine alternates PING and each decision, -samples
 // times, and reports the p50 and p99 of each round trip.
 //
+// With -only, it makes -serial calls of the one path whose name starts
+// with -only, one at a time, and prints nothing: scripts/bench.sh runs it
+// against a redis-server under callgrind to count the instructions a call
+// costs, a figure that does not move with the machine's load.
+//
 // It writes to keys under "scriptstats:" on the server at -addr, which it
 // does not flush: point it at a server of its own (scripts/bench.sh starts
 // one). The output is Markdown, for BENCHMARKS.md.
@@ -67,6 +72,8 @@ func main() {
 	clients := flag.Int("clients", 50, "concurrent callers under load")
 	batches := flag.Int("batches", 20, "batches the calls of a path are split in, each measured on its own")
 	samples := flag.Int("samples", 20_000, "round trips per path for the single-caller latency")
+	only := flag.String("only", "", "make -serial calls of the path whose name starts with `prefix`, and nothing else")
+	serial := flag.Int("serial", 1000, "calls of the -only path")
 	flag.Parse()
 
 	ctx := context.Background()
@@ -75,6 +82,10 @@ func main() {
 	defer c.Close()
 	if err := c.Ping(ctx).Err(); err != nil {
 		fail("redis at %s: %v", *addr, err)
+	}
+	if *only != "" {
+		callOnly(ctx, c, *only, *serial)
+		return
 	}
 	paths := newPaths(ctx, c, *clients)
 
@@ -98,6 +109,23 @@ func main() {
 		x := l.p50 / ping.p50
 		fmt.Printf("| %s | %.1f | %.1f | %.2f | %s | %s |\n", l.name, l.p50, l.p99, x, yes(x <= targetP50X), yes(l.p99 <= targetP99))
 	}
+}
+
+// callOnly makes n calls, one at a time, of the path whose name starts
+// with prefix.
+func callOnly(ctx context.Context, c *redis.Client, prefix string, n int) {
+	for _, p := range newPaths(ctx, c, 1) {
+		if !strings.HasPrefix(p.name, prefix) {
+			continue
+		}
+		for range n {
+			if err := p.call(ctx, 0); err != nil {
+				fail("%s: %v", p.name, err)
+			}
+		}
+		return
+	}
+	fail("no path starts with %q", prefix)
 }
 
 // path is one kind of call: a decision (keys, takes) or a plain command.
