@@ -55,9 +55,16 @@ local floor, pack, unpack, call = math.floor, struct.pack, struct.unpack, redis.
 local ko, ao, n = 0, 0, #KEYS
 
 --[[block decide]]
--- A constructor sizes the reply's array part at once (three buckets);
--- filling an empty table would resize it on the way.
-local reply = {0, 0, 0, 0, 0, 0, 0, 0, 0}
+-- A constructor sizes the reply's array part at once; filling an empty
+-- table would resize it on the way.
+local reply
+if n == 1 then
+  reply = {0, 0, 0}
+elseif n == 2 then
+  reply = {0, 0, 0, 0, 0, 0}
+else
+  reply = {0, 0, 0, 0, 0, 0, 0, 0, 0}
+end
 local allowed = true
 
 -- Pass 1: refill and check every bucket; write nothing. The reply keeps
@@ -99,16 +106,18 @@ for i = 1, n do
     if wait * per < d then wait = wait + 1 end
     allowed = false
   end
-  reply[3 * i - 2] = u
-  reply[3 * i - 1] = wait
-  reply[3 * i] = last
+  local j = 3 * i
+  reply[j - 2] = u
+  reply[j - 1] = wait
+  reply[j] = last
 end
 
 -- Pass 2: charge every bucket if all allowed; report remaining and time
 -- until full.
 for i = 1, n do
   local cap, refill, scale, cost = unpack('<dddd', ARGV[ao + i])
-  local u, last = reply[3 * i - 2], reply[3 * i]
+  local j = 3 * i
+  local u, last = reply[j - 2], reply[j]
   local charge = allowed and cost > 0
   if charge then
     u = u - cost
@@ -129,10 +138,9 @@ for i = 1, n do
   end
   local rem = floor(u / scale)
   if rem * scale > u then rem = rem - 1 end
-  reply[3 * i - 2] = rem
-  reply[3 * i] = full
+  reply[j - 2] = rem
+  reply[j] = full
 end
-for i = 3 * n + 1, 9 do reply[i] = nil end
 --[[end decide]]
 
 return reply
