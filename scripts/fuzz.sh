@@ -28,6 +28,7 @@ targets=(
 	./bucket:FuzzParseReply
 	.:FuzzParseCost
 	.:FuzzCaddyfile
+	.:FuzzNormalizeIdentity
 )
 
 # count_files prints the number of files under a directory, 0 if none.
