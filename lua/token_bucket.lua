@@ -62,8 +62,10 @@ if n == 1 then
   reply = {0, 0, 0}
 elseif n == 2 then
   reply = {0, 0, 0, 0, 0, 0}
-else
+elseif n >= 3 then
   reply = {0, 0, 0, 0, 0, 0, 0, 0, 0}
+else
+  reply = {} -- no bucket: an empty reply
 end
 local allowed = true
 
