@@ -374,6 +374,14 @@ var caddyfileErrorCases = []struct {
 	{"local_share zero", "local_share 0\n" + limitCase("user 10 1/s"), `invalid local_share "0": must be a fraction > 0 and ≤ 1`},
 	{"local_share above one", "local_share 1.5\n" + limitCase("user 10 1/s"), `invalid local_share "1.5": must be a fraction > 0 and ≤ 1`},
 	{"tier without name", "dimension user {http.auth.user.id}\ntier {\nuser 10 1/s\n}", `tier []: wrong argument count, want one value`},
+	{"demote to a tier that does not limit the dimension",
+		"dimension user {http.auth.user.id}\ndimension key {http.request.header.X-Key}\n" +
+			"tier free {\nuser 1 1/h\n}\ntier penalty {\nkey 1 1/d\n}\ndemote user after 1 denials within 1m to tier penalty for 1m",
+		`demote.tier "penalty": has no limit on the demoted dimension "user"`},
+	{"demote by default on the first dimension, which the tier does not limit",
+		"dimension user {http.auth.user.id}\ndimension key {http.request.header.X-Key}\n" +
+			"tier free {\nuser 1 1/h\n}\ntier penalty {\nkey 1 1/d\n}\ndemote after 1 denials within 1m to tier penalty for 1m",
+		`demote.tier "penalty": has no limit on the demoted dimension "user"`},
 }
 
 // TestCaddyfileErrors checks each bad Caddyfile twice: the adapter (as

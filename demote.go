@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -56,25 +57,26 @@ func (d *Demote) validate(h *Handler) error {
 	case h.Redis != nil && h.Redis.Cluster:
 		return errors.New("demote: not supported with redis cluster")
 	}
-	found := false
-	for _, t := range h.Tiers {
-		found = found || t.Name == d.Tier
-	}
-	if !found {
-		return fmt.Errorf("demote.tier %q: no tier has that name", d.Tier)
-	}
-	if d.Dimension == "" {
+	dim := d.Dimension
+	if dim == "" {
 		if len(h.Dimensions) == 0 {
 			return errors.New("demote: no dimension to demote")
 		}
-		return nil
+		dim = h.Dimensions[0].Name
+	} else if !slices.ContainsFunc(h.Dimensions, func(x Dimension) bool { return x.Name == dim }) {
+		return fmt.Errorf("demote.dimension %q: not a declared dimension", d.Dimension)
 	}
-	for _, dim := range h.Dimensions {
-		if dim.Name == d.Dimension {
-			return nil
-		}
+	i := slices.IndexFunc(h.Tiers, func(t Tier) bool { return t.Name == d.Tier })
+	if i < 0 {
+		return fmt.Errorf("demote.tier %q: no tier has that name", d.Tier)
 	}
-	return fmt.Errorf("demote.dimension %q: not a declared dimension", d.Dimension)
+	// A demoted request is decided on the penalty tier's buckets; one on
+	// the demoted dimension (whose identity is never empty then) makes
+	// sure there is at least one.
+	if !slices.ContainsFunc(h.Tiers[i].Limits, func(l Limit) bool { return l.Dimension == dim }) {
+		return fmt.Errorf("demote.tier %q: has no limit on the demoted dimension %q", d.Tier, dim)
+	}
+	return nil
 }
 
 func (d *Demote) compile(dims []Dimension, tiers map[string]*tier) *demotion {
