@@ -57,6 +57,9 @@ var blocks = func() map[string]string {
 			if len(stack) == 0 || stack[len(stack)-1].name != name {
 				panic("lua: token_bucket.lua ends block " + name + " that is not open")
 			}
+			if _, dup := m[name]; dup {
+				panic("lua: token_bucket.lua has two blocks named " + name)
+			}
 			m[name] = Source[stack[len(stack)-1].at:at]
 			stack = stack[:len(stack)-1]
 		}
@@ -72,9 +75,10 @@ var blocks = func() map[string]string {
 var useLine = regexp.MustCompile(`(?m)^[ \t]*--\[\[use (\w+)\]\]\n`)
 
 // use pastes token_bucket.lua's blocks into an entry in place of its lines
-// "--[[use NAME]]". An unknown name is a programming error.
+// "--[[use NAME]]". An unknown name, or a use line left over (one not on a
+// line of its own, or ending in CRLF), is a programming error.
 func use(entry string) string {
-	return useLine.ReplaceAllStringFunc(entry, func(line string) string {
+	out := useLine.ReplaceAllStringFunc(entry, func(line string) string {
 		name := useLine.FindStringSubmatch(line)[1]
 		b, ok := blocks[name]
 		if !ok {
@@ -82,6 +86,10 @@ func use(entry string) string {
 		}
 		return b
 	})
+	if strings.Contains(out, "--[[use ") {
+		panic("lua: a use line is not on a line of its own")
+	}
+	return out
 }
 
 //go:embed demote.lua

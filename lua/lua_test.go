@@ -59,3 +59,15 @@ func TestUseUnknownBlockPanics(t *testing.T) {
 	}()
 	use("  --[[use lod]]\n")
 }
+
+// TestUseLeftoverLinePanics checks that a use line the pattern does not
+// match (here, CRLF line endings) fails at once instead of staying a
+// comment that would leave the script without its block.
+func TestUseLeftoverLinePanics(t *testing.T) {
+	defer func() {
+		if r := recover(); r == nil || !strings.Contains(r.(string), "not on a line of its own") {
+			t.Fatalf("recover() = %v, want a panic about the use line", r)
+		}
+	}()
+	use("x = 1\r\n  --[[use load]]\r\n")
+}
