@@ -3,6 +3,7 @@ package bucket
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -73,5 +74,57 @@ func TestReplyLengths(t *testing.T) {
 				t.Errorf("penalty tier, %d + %d buckets: reply %v, want 1, the time left and %d values", own, penalty, got, 3*penalty)
 			}
 		}
+	}
+}
+
+// TestMalformedStateWritesNothing checks that settle.lua and refund.lua
+// read every bucket before writing any: a bucket whose value is not a
+// state fails the call, and the buckets before it, and the settlement
+// marker, are left as they were, so that a later call can still settle.
+func TestMalformedStateWritesNothing(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	spec := shSpec(t, 100) // 100 tokens, 1 an hour
+	st := Redis{Client: rdb}
+	good, bad := "mal:{x}:good", "mal:{x}:bad"
+	if _, err := st.Take(ctx, []string{good}, []Take{{Spec: spec, Cost: 40}}); err != nil {
+		t.Fatal(err)
+	}
+	before, err := rdb.Get(ctx, good).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rdb.Set(ctx, bad, "not a bucket", 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	keys := []string{good, bad}
+	adj := []Adjust{{Spec: spec, Delta: -30}, {Spec: spec, Delta: -30}}
+	if _, err := st.Settle(ctx, "req-1", keys, adj); err == nil || !strings.Contains(err.Error(), "malformed bucket state at "+bad) {
+		t.Fatalf("Settle over a malformed bucket: %v, want the malformed state error", err)
+	}
+	args := appendArgs(nil, []Take{{Spec: spec, Cost: 30}, {Spec: spec, Cost: 30}})
+	if err := lua.Refund.Run(ctx, rdb, keys, args...).Err(); err == nil || !strings.Contains(err.Error(), "malformed bucket state at "+bad) {
+		t.Fatalf("refund over a malformed bucket: %v, want the malformed state error", err)
+	}
+	if after, err := rdb.Get(ctx, good).Result(); err != nil || after != before {
+		t.Fatalf("the good bucket changed: %q (%v), was %q", after, err, before)
+	}
+	if n, err := rdb.Exists(ctx, good+":settled:req-1").Result(); err != nil || n != 0 {
+		t.Fatalf("settlement marker exists %d (%v) after a failed settlement", n, err)
+	}
+	if err := rdb.Del(ctx, bad).Err(); err != nil {
+		t.Fatal(err)
+	}
+	settled, err := st.Settle(ctx, "req-1", keys, adj)
+	if err != nil || !settled {
+		t.Fatalf("Settle once the bad bucket is gone: %v, %v; want it settled", settled, err)
+	}
+	got, err := rdb.Get(ctx, good).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err := DecodeState(got); err != nil || s.Units/s.Scale != 90 {
+		t.Fatalf("good bucket after giving back 30 of 40: %+v (%v), want 90 whole tokens", s, err)
 	}
 }

@@ -13,14 +13,31 @@ ARGV[i]  bucket i's parameters as in token_bucket.lua, the cost being the
          units to give back.
 Reply    the number of buckets refunded. A key that is gone is a full
          bucket and needs nothing; a bucket refilled to full is deleted.
+
+Every bucket is read before anything is written, so a malformed bucket
+state fails the call with nothing refunded.
 ]]
+
+-- Read every bucket to refund: its units and state time, two per bucket;
+-- false for a key that is gone.
+local held = {}
+for i = 1, #KEYS do
+  local key = KEYS[i]
+  local cap, refill, scale, cost = unpack('<dddd', ARGV[i])
+  held[2 * i - 1] = false
+  if cost > 0 and call('EXISTS', key) == 1 then
+    --[[use load]]
+    held[2 * i - 1] = u
+    held[2 * i] = last
+  end
+end
 
 local refunded = 0
 for i = 1, #KEYS do
   local key = KEYS[i]
   local cap, refill, scale, cost = unpack('<dddd', ARGV[i])
-  if cost > 0 and call('EXISTS', key) == 1 then
-    --[[use load]]
+  local u, last = held[2 * i - 1], held[2 * i]
+  if u then
     if now > last then last = now end
     u = u + cost
     if u > cap then u = cap end

@@ -15,16 +15,30 @@ ARGV[i]  (i >= 2) bucket i's parameters as in token_bucket.lua, the cost
          refill repays it; it is capped at one capacity. A bucket given
          back up to full is deleted.
 Reply    1 when settled, 0 when the request was settled before.
+
+Every bucket is read before anything is written, the marker included, so a
+malformed bucket state fails the call with nothing settled.
 ]]
 
-if not call('SET', KEYS[1], '1', 'NX', 'PX', ARGV[1]) then
+if call('EXISTS', KEYS[1]) == 1 then
   return 0
 end
 
+-- Read every bucket: its units and state time, two per bucket.
+local held = {}
 for i = 2, #KEYS do
   local key = KEYS[i]
   local cap, refill, scale, delta = unpack('<dddd', ARGV[i])
   --[[use load]]
+  held[2 * i - 3] = u
+  held[2 * i - 2] = last
+end
+
+call('SET', KEYS[1], '1', 'PX', ARGV[1])
+for i = 2, #KEYS do
+  local key = KEYS[i]
+  local cap, refill, scale, delta = unpack('<dddd', ARGV[i])
+  local u, last = held[2 * i - 3], held[2 * i - 2]
   if now > last then last = now end
   u = u - delta
   if u < -cap then u = -cap end
