@@ -10,8 +10,12 @@ import (
 )
 
 // SettleTTL is how long a request's settlement marker is kept: a second
-// settlement of the same request within it changes nothing.
-const SettleTTL = time.Hour
+// settlement of the same request within it changes nothing. A second call
+// can only come from a client library replaying the first (go-redis's
+// ClusterClient does after a lost reply) within the call's timeout, so a
+// minute is ample, and Redis holds at most a minute of settled requests'
+// markers (about 100 bytes each).
+const SettleTTL = time.Minute
 
 // Adjust is a settlement of one bucket: Delta tokens more to charge (> 0)
 // or to give back (< 0).
