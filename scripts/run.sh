@@ -64,9 +64,9 @@ Try, in another terminal:
     -d '{"model":"demo-model","messages":[{"role":"user","content":"hi"}]}' \\
     $gw/v1/chat/completions
 
-  # 15 in a row: 200 x10, then 429 with Retry-After
-  for i in \$(seq 15); do
-    curl -s -o /dev/null -w '%{http_code} retry-after=%header{retry-after} remaining=%header{x-ratelimit-remaining}\\n' \\
+  # 14 more: 200 until the burst of 10 is spent, then 429 with Retry-After
+  for i in \$(seq 14); do
+    curl -s -o /dev/null -w '%{http_code} retry-after=%header{retry-after} remaining=%header{x-ratelimit-remaining} tokens=%header{x-ratelimit-remaining-tokens}\\n' \\
       -H 'Authorization: Bearer sk-free-demo' -d '{}' $gw/v1/chat/completions
   done
 
