@@ -97,10 +97,11 @@ func (d *Demote) compile(dims []Dimension, tiers map[string]*tier) *demotion {
 // trip: on the penalty tier's limits while the identity id is demoted, else
 // on its own tier's, counting a denial.
 func (h *Handler) serveDemote(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler,
-	repl *caddy.Replacer, t *tier, req *request, id string) error {
-	preq, err := h.buildRequest(r, repl, h.demote.penalty)
+	in *inputs, t *tier, req *request, id string) error {
+	repl := in.repl
+	preq, err := h.buildRequest(in, h.demote.penalty)
 	if err != nil {
-		return h.invalidCost(w, repl)
+		return h.rejectInput(w, repl, t, err)
 	}
 	store, ok := h.conn.store.(bucket.Redis)
 	if !ok {

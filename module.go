@@ -253,14 +253,10 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	t := h.resolveTier(repl)
 	repl.Set("http.token_bucket.tier", t.nameValue)
 
-	req, err := h.buildRequest(r, repl, t)
-	if err == errInvalidBody {
-		h.metrics.count(t, outcomeInvalidBody, false)
-		return h.invalidBody(w, repl)
-	}
+	in := inputs{r: r, repl: repl}
+	req, err := h.buildRequest(&in, t)
 	if err != nil {
-		h.metrics.count(t, outcomeInvalidCost, false)
-		return h.invalidCost(w, repl)
+		return h.rejectInput(w, repl, t, err)
 	}
 	if len(req.takes) == 0 {
 		h.metrics.count(t, outcomeSkipped, false)
@@ -276,8 +272,8 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		}
 	}
 	if h.demote != nil && t != h.demote.penalty {
-		if id := h.identity(repl, h.demote.dim); id != "" {
-			return h.serveDemote(w, r, next, repl, t, req, id)
+		if id := in.identity(h, h.demote.dim); id != "" {
+			return h.serveDemote(w, r, next, &in, t, req, id)
 		}
 	}
 	start := h.now()

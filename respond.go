@@ -293,27 +293,29 @@ func denyBody(t *tier, req *request, d *bucket.Decision) []byte {
 	return append(body, "}\n"...)
 }
 
-// invalidCost answers a request whose cost is not an integer from 0 to
-// MaxCost with 400 invalid_cost. The bad value is not echoed.
-func (h *Handler) invalidCost(w http.ResponseWriter, repl *caddy.Replacer) error {
-	repl.Set("http.token_bucket.decision", "invalid_cost")
-	if h.OnDeny == DenyError {
-		return caddyhttp.Error(http.StatusBadRequest, errInvalidCost)
-	}
-	return writeJSON(w, http.StatusBadRequest,
-		[]byte(`{"error":"invalid_cost","message":"the request's cost must be an integer from 0 to 9007199254740991"}`+"\n"))
-}
+// The bodies of the 400 answers to a request whose cost or body cannot be
+// used.
+var (
+	invalidCostBody = []byte(`{"error":"invalid_cost","message":"the request's cost must be an integer from 0 to 9007199254740991"}` + "\n")
+	invalidBodyBody = []byte(`{"error":"invalid_body","message":"the request body must be a JSON chat or completion request within the size limit"}` + "\n")
+)
 
-// invalidBody answers a request whose body the estimator cannot read
-// (not JSON, or larger than estimate.max_body) with 400 invalid_body, unless
-// estimate.on_invalid gives a fallback cost.
-func (h *Handler) invalidBody(w http.ResponseWriter, repl *caddy.Replacer) error {
-	repl.Set("http.token_bucket.decision", "invalid_body")
-	if h.OnDeny == DenyError {
-		return caddyhttp.Error(http.StatusBadRequest, errInvalidBody)
+// rejectInput answers a request whose tokens cost cannot be had: with
+// errInvalidBody, a body the estimator cannot read (not JSON, or larger than
+// estimate.max_body), 400 invalid_body; else a cost that is not an integer
+// from 0 to MaxCost, 400 invalid_cost. With on_deny error it returns a Caddy
+// error for handle_errors instead. The bad value is not echoed.
+func (h *Handler) rejectInput(w http.ResponseWriter, repl *caddy.Replacer, t *tier, err error) error {
+	code, outcome, cause, body := "invalid_cost", outcomeInvalidCost, errInvalidCost, invalidCostBody
+	if err == errInvalidBody {
+		code, outcome, cause, body = "invalid_body", outcomeInvalidBody, errInvalidBody, invalidBodyBody
 	}
-	return writeJSON(w, http.StatusBadRequest,
-		[]byte(`{"error":"invalid_body","message":"the request body must be a JSON chat or completion request within the size limit"}`+"\n"))
+	h.metrics.count(t, outcome, false)
+	repl.Set("http.token_bucket.decision", code)
+	if h.OnDeny == DenyError {
+		return caddyhttp.Error(http.StatusBadRequest, cause)
+	}
+	return writeJSON(w, http.StatusBadRequest, body)
 }
 
 // unavailable answers 503 for on_redis_error deny; never 429, which would

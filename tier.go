@@ -108,11 +108,10 @@ func (h *Handler) resolveTier(repl *caddy.Replacer) *tier {
 
 // request is the buckets one request is decided on.
 type request struct {
-	keys      []string
-	takes     []bucket.Take
-	limits    []*limit
-	estimated bool // the tokens cost came from the body estimate
-	demoted   bool // decided on a demotion's penalty tier, or demoted by this denial
+	keys    []string
+	takes   []bucket.Take
+	limits  []*limit
+	demoted bool // decided on a demotion's penalty tier, or demoted by this denial
 }
 
 // requestOf1 and requestOf4 hold a request and the arrays its slices use,
@@ -190,44 +189,75 @@ func (h *Handler) cachedDenial(req *request) (*request, bucket.Decision, bool) {
 	return sub, bucket.Summarize(results), true
 }
 
-// buildRequest resolves the identities and the cost of the tier's limits.
-// It fails only on an invalid cost.
-func (h *Handler) buildRequest(r *http.Request, repl *caddy.Replacer, t *tier) (*request, error) {
-	req := newRequest(len(t.limits))
-	var idsBuf [8]string
-	ids := idsBuf[:0]
-	if len(h.Dimensions) > len(idsBuf) {
-		ids = make([]string, 0, len(h.Dimensions))
+// inputs are what a request's buckets are built from, each resolved at
+// most once per request however many tiers the request is built for (its
+// own, and a demotion's penalty tier): the identity of each dimension and
+// the cost of its tokens limits.
+type inputs struct {
+	r        *http.Request
+	repl     *caddy.Replacer
+	ids      [8]string // by dimension, the first 8; "" = skipped
+	resolved uint8     // bit i: ids[i] is resolved
+	cost     int64     // the tokens cost, once costSet
+	costSet  bool
+}
+
+// identity returns dimension i's identity (see Handler.identity), resolved
+// on first use. Past the first 8 dimensions it is resolved on every use.
+func (in *inputs) identity(h *Handler, i int) string {
+	if i >= len(in.ids) {
+		return h.identity(in.repl, i)
 	}
-	ids = ids[:len(h.Dimensions)]
-	var resolved uint64 // bit i: ids[i] is resolved ("" = skipped)
-	cost := h.cost
+	if in.resolved&(1<<i) == 0 {
+		in.ids[i] = h.identity(in.repl, i)
+		in.resolved |= 1 << i
+	}
+	return in.ids[i]
+}
+
+// tokensCost returns the cost of the request's tokens limits: the body
+// estimate with estimate, else the cost template, evaluated on first use
+// and set as {http.token_bucket.cost}; a static cost needs neither. It
+// fails with errInvalidBody or errInvalidCost.
+func (in *inputs) tokensCost(h *Handler) (int64, error) {
+	if in.costSet {
+		return in.cost, nil
+	}
+	var cost int64
+	var err error
+	switch {
+	case h.Estimate != nil:
+		cost, err = h.Estimate.estimate(in.r)
+	case h.cost < 0:
+		cost, err = parseCost(in.repl.ReplaceAll(h.Cost, ""))
+	default:
+		return h.cost, nil
+	}
+	if err != nil {
+		return 0, err
+	}
+	in.repl.Set("http.token_bucket.cost", cost)
+	in.cost, in.costSet = cost, true
+	return cost, nil
+}
+
+// buildRequest returns the buckets of tier t for the request of in: one
+// per limit whose identity is not empty. It fails only on an invalid cost
+// or body.
+func (h *Handler) buildRequest(in *inputs, t *tier) (*request, error) {
+	req := newRequest(len(t.limits))
 	for i := range t.limits {
 		l := &t.limits[i]
-		if resolved&(1<<l.dim) == 0 {
-			ids[l.dim] = h.identity(repl, l.dim)
-			resolved |= 1 << l.dim
-		}
-		id := ids[l.dim]
+		id := in.identity(h, l.dim)
 		if id == "" {
 			continue
 		}
 		c := int64(1)
 		if l.tokens {
-			if cost < 0 || (h.Estimate != nil && !req.estimated) {
-				var err error
-				if h.Estimate != nil {
-					cost, err = h.Estimate.estimate(r)
-					req.estimated = true
-				} else {
-					cost, err = parseCost(repl.ReplaceAll(h.Cost, ""))
-				}
-				if err != nil {
-					return nil, err
-				}
-				repl.Set("http.token_bucket.cost", cost)
+			var err error
+			if c, err = in.tokensCost(h); err != nil {
+				return nil, err
 			}
-			c = cost
 		}
 		req.keys = append(req.keys, h.keyer.Key(l.dimension, id, l.unit))
 		req.takes = append(req.takes, bucket.Take{Spec: l.spec, Cost: c})

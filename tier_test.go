@@ -2,10 +2,16 @@ package tokenbucket
 
 import (
 	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"net/netip"
+	"strings"
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
+
+	"github.com/token-bucket/token_bucket/bucket"
 )
 
 // TestNormalizeIdentityForms: addresses are masked whatever their spelling
@@ -91,5 +97,65 @@ func TestLonePlaceholderIdentity(t *testing.T) {
 		if got := placeholderKey(tmpl); got != want {
 			t.Errorf("placeholderKey(%q) = %q, want %q", tmpl, got, want)
 		}
+	}
+}
+
+// TestInputsResolveOnce: a request built for two tiers (its own and a
+// demotion's penalty tier) resolves its identities and estimates its body
+// once: the penalty tier's tokens bucket is charged the same estimate even
+// when the body has changed in between. An estimate that fails is 400
+// invalid_body whichever tier asked for it; a bad cost template is 400
+// invalid_cost.
+func TestInputsResolveOnce(t *testing.T) {
+	dims := []Dimension{{Name: "user", Identity: "{http.request.header.X-User}"}}
+	tiers, _ := compileTiers(dims, []Tier{
+		{Name: "own", Limits: []Limit{{Dimension: "user", Capacity: 10, RefillRate: 1}}},
+		{Name: "penalty", Limits: []Limit{{Dimension: "user", Capacity: 100000, RefillRate: 1, Unit: UnitTokens}}},
+	}, "", 1)
+	h := &Handler{Dimensions: dims, Estimate: &Estimate{}, keyer: bucket.NewKeyer("rl:", ""),
+		IPv4Prefix: 32, IPv6Prefix: 64, idKeys: []string{"http.request.header.X-User"}}
+	newInputs := func(body string) (*inputs, *http.Request) {
+		r := httptest.NewRequest("POST", "/", strings.NewReader(body))
+		r.Header.Set("X-User", "alice")
+		repl := caddy.NewReplacer()
+		repl.Set("http.request.header.X-User", "alice")
+		return &inputs{r: r, repl: repl}, r
+	}
+
+	in, r := newInputs(`{"prompt":"abcdefgh","max_tokens":10}`) // 2 + 10 tokens
+	if req, err := h.buildRequest(in, tiers["own"]); err != nil || len(req.takes) != 1 || req.takes[0].Cost != 1 {
+		t.Fatalf("own tier: %+v, %v; want one bucket charged 1", req, err)
+	}
+	if req, err := h.buildRequest(in, tiers["penalty"]); err != nil || req.takes[0].Cost != 12 {
+		t.Fatalf("penalty tier, first estimate: %+v, %v; want 12", req, err)
+	}
+	r.Body = io.NopCloser(strings.NewReader(`{"prompt":"` + strings.Repeat("a", 400) + `","max_tokens":10}`))
+	if req, err := h.buildRequest(in, tiers["penalty"]); err != nil || req.takes[0].Cost != 12 || in.ids[0] != "alice" {
+		t.Fatalf("penalty tier again: %+v, %v; want the estimate of 12 kept", req, err)
+	}
+	if v, _ := in.repl.Get("http.token_bucket.cost"); v != int64(12) {
+		t.Errorf("{http.token_bucket.cost} = %v, want 12", v)
+	}
+
+	in, _ = newInputs(`not json`)
+	if _, err := h.buildRequest(in, tiers["own"]); err != nil {
+		t.Fatalf("own tier has no tokens limit, so no estimate: %v", err)
+	}
+	_, err := h.buildRequest(in, tiers["penalty"])
+	w := httptest.NewRecorder()
+	if rerr := h.rejectInput(w, in.repl, tiers["own"], err); rerr != nil || w.Code != 400 || !strings.Contains(w.Body.String(), `"error":"invalid_body"`) {
+		t.Errorf("bad body on the penalty tier: %v, %d %s; want 400 invalid_body", rerr, w.Code, w.Body)
+	}
+
+	h.Estimate, h.Cost, h.cost = nil, "{http.request.header.X-Cost}", -1
+	in, _ = newInputs(`{}`)
+	in.repl.Set("http.request.header.X-Cost", "1.5")
+	_, err = h.buildRequest(in, tiers["penalty"])
+	w = httptest.NewRecorder()
+	if rerr := h.rejectInput(w, in.repl, tiers["penalty"], err); rerr != nil || w.Code != 400 || !strings.Contains(w.Body.String(), `"error":"invalid_cost"`) {
+		t.Errorf("bad cost: %v, %d %s; want 400 invalid_cost", rerr, w.Code, w.Body)
+	}
+	if v, _ := in.repl.Get("http.token_bucket.decision"); v != "invalid_cost" {
+		t.Errorf("{http.token_bucket.decision} = %v, want invalid_cost", v)
 	}
 }
