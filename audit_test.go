@@ -273,7 +273,7 @@ func TestCaddyfileAuditErrors(t *testing.T) {
 		{"audit_buckets two values", "audit_buckets 1 2", `audit_buckets ["1" "2"]: wrong argument count`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			_, err := adapt(":8080 {\ntoken_bucket {\n" + tc.block + tier + "}\n}\n")
+			_, err := adaptCaddyfile(":8080 {\ntoken_bucket {\n" + tc.block + tier + "}\n}\n")
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("adapt error = %v\nwant it to contain %s", err, tc.want)
 			}

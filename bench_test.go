@@ -84,16 +84,7 @@ func benchHandler(b *testing.B, addr string, limits []Limit, denyCache int) *Han
 		DenyCache:    denyCache,
 		AuditOptions: AuditOptions{Audit: new(bool)}, // off: the denial log is not what is measured
 	}
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	if err := h.Provision(ctx); err != nil {
-		cancel()
-		b.Fatalf("provision: %v", err)
-	}
-	b.Cleanup(func() {
-		_ = h.Cleanup()
-		cancel()
-	})
-	return h
+	return provisionHandler(b, h)
 }
 
 // passThrough is a middleware that only calls next: the baseline.

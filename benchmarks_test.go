@@ -133,12 +133,7 @@ func perfHandler(b *testing.B, addr string, client *redis.Client, name, outcome 
 	if outcome == perfDenyRedis {
 		h.DenyCache = -1
 	}
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	b.Cleanup(cancel)
-	if err := h.Provision(ctx); err != nil {
-		b.Fatalf("provisioning: %v", err)
-	}
-	b.Cleanup(func() { h.Cleanup() })
+	provisionHandler(b, h)
 
 	// The keys as the handler builds them (bucket.Keyer; the address is
 	// masked to its /32).

@@ -171,7 +171,11 @@ func (g *e2eGateway) tryGet(headers ...string) (e2eResponse, error) {
 	for i := 0; i+1 < len(headers); i += 2 {
 		req.Header.Set(headers[i], headers[i+1])
 	}
-	res, err := g.client.Do(req)
+	return readResponse(g.client.Do(req))
+}
+
+// readResponse reads and closes the response of a client call.
+func readResponse(res *http.Response, err error) (e2eResponse, error) {
 	if err != nil {
 		return e2eResponse{}, err
 	}
@@ -331,11 +335,20 @@ func normalizeJSON(t *testing.T, s string) string {
 	return out.String()
 }
 
-// The first names of e2eGateway, e2eResponse and adaptCaddyfile, which other
-// test files of the package use.
-type (
-	gateway  = e2eGateway
-	response = e2eResponse
-)
-
-func adapt(caddyfile string) ([]byte, error) { return adaptCaddyfile(caddyfile) }
+// provisionHandler provisions h as Caddy would and cleans it up at the end of
+// the test (before the Redis servers started earlier stop).
+func provisionHandler(t testing.TB, h *Handler) *Handler {
+	t.Helper()
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	if err := h.Provision(ctx); err != nil {
+		cancel()
+		t.Fatalf("provision: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := h.Cleanup(); err != nil {
+			t.Errorf("cleanup: %v", err)
+		}
+		cancel()
+	})
+	return h
+}

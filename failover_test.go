@@ -63,24 +63,6 @@ func foHandler(rc *RedisConfig, policy string, capacity int64) *Handler {
 	}
 }
 
-// foProvision provisions h as Caddy would and cleans it up at the end of
-// the test (before the Redis servers started earlier stop).
-func foProvision(t testing.TB, h *Handler) *Handler {
-	t.Helper()
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	if err := h.Provision(ctx); err != nil {
-		cancel()
-		t.Fatalf("provision: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := h.Cleanup(); err != nil {
-			t.Errorf("cleanup: %v", err)
-		}
-		cancel()
-	})
-	return h
-}
-
 // foResult is what a test reads of one ServeHTTP.
 type foResult struct {
 	status   int
@@ -193,9 +175,9 @@ const foUnavailableBody = `{"error":"rate_limiter_unavailable","message":"the ra
 // that the new process does not have (NOSCRIPT), also after SCRIPT FLUSH.
 func TestRedisKilledAndRestarted(t *testing.T) {
 	srv := redistest.Start(t)
-	local := foProvision(t, foHandler(foRedis(srv.Addr), PolicyLocal, 3))
-	allow := foProvision(t, foHandler(foRedis(srv.Addr), PolicyAllow, 3))
-	deny := foProvision(t, foHandler(foRedis(srv.Addr), PolicyDeny, 3))
+	local := provisionHandler(t, foHandler(foRedis(srv.Addr), PolicyLocal, 3))
+	allow := provisionHandler(t, foHandler(foRedis(srv.Addr), PolicyAllow, 3))
+	deny := provisionHandler(t, foHandler(foRedis(srv.Addr), PolicyDeny, 3))
 	if local.conn != allow.conn || allow.conn != deny.conn {
 		t.Fatal("handlers with one redis config do not share one client")
 	}
@@ -344,7 +326,7 @@ func TestRedisHangs(t *testing.T) {
 	srv := redistest.Start(t)
 	rc := &RedisConfig{Address: []string{srv.Addr}, Timeout: caddy.Duration(timeout),
 		BreakerFailures: 3, BreakerCooldown: caddy.Duration(time.Second)}
-	h := foProvision(t, foHandler(rc, PolicyLocal, 1000))
+	h := provisionHandler(t, foHandler(rc, PolicyLocal, 1000))
 
 	var up, hung, open []time.Duration
 	for i := 0; i < 50; i++ {
@@ -409,7 +391,7 @@ func BenchmarkServeHTTP(b *testing.B) {
 	// decision into a local one; opening the breaker below costs 3 of them.
 	rc := &RedisConfig{Address: []string{srv.Addr}, Timeout: caddy.Duration(time.Second),
 		BreakerFailures: 3, BreakerCooldown: caddy.Duration(time.Hour)}
-	h := foProvision(b, foHandler(rc, PolicyLocal, 1<<20))
+	h := provisionHandler(b, foHandler(rc, PolicyLocal, 1<<20))
 	h.logger = zap.NewNop() // the timeouts that open the breaker are expected
 	b.Run("redis", func(b *testing.B) {
 		for b.Loop() {
@@ -490,7 +472,7 @@ func TestSentinelFailover(t *testing.T) {
 	}
 	rc := &RedisConfig{Address: addrs, Sentinel: "mymaster", Timeout: caddy.Duration(foTimeout),
 		BreakerFailures: 3, BreakerCooldown: caddy.Duration(100 * time.Millisecond)}
-	h := foProvision(t, foHandler(rc, PolicyLocal, capacity))
+	h := provisionHandler(t, foHandler(rc, PolicyLocal, capacity))
 	ids := []string{"id0", "id1", "id2", "id3", "id4"}
 	ctx := context.Background()
 
@@ -651,7 +633,7 @@ func foClusterHandler(rc *RedisConfig, policy string, userCap, ipCap int64) *Han
 func TestClusterExactBurstAcrossSlots(t *testing.T) {
 	cluster := redistest.StartCluster(t, 3)
 	rc := &RedisConfig{Address: cluster.Addrs(), Cluster: true, Timeout: caddy.Duration(foTimeout)}
-	h := foProvision(t, foClusterHandler(rc, PolicyDeny, 5, 100))
+	h := provisionHandler(t, foClusterHandler(rc, PolicyDeny, 5, 100))
 	const ip = "203.0.113.7"
 	ipKey := h.keyer.Key("ip", ip+"/32", "")
 	ipNode := cluster.NodeOf(t, ipKey)
@@ -706,7 +688,7 @@ func TestClusterLostReplyNotReplayed(t *testing.T) {
 	(&redistest.Cluster{Nodes: []*redistest.Server{node}}).WaitOK(t)
 	rc := &RedisConfig{Address: []string{proxy.Addr}, Cluster: true, Timeout: caddy.Duration(foTimeout),
 		BreakerFailures: 100}
-	h := foProvision(t, foClusterHandler(rc, PolicyDeny, 10, 10))
+	h := provisionHandler(t, foClusterHandler(rc, PolicyDeny, 10, 10))
 	rdb := node.Client(t)
 
 	for _, tc := range []struct {
@@ -835,7 +817,7 @@ func foCaptureLogs(t *testing.T, dir string, h *Handler) func() string {
 	stderr := os.Stderr
 	os.Stderr = f
 	defer func() { os.Stderr = stderr }()
-	foProvision(t, h)
+	provisionHandler(t, h)
 	return func() string {
 		b, err := os.ReadFile(f.Name())
 		if err != nil {
@@ -877,7 +859,7 @@ func TestRedisAuth(t *testing.T) {
 		}
 	})
 	t.Run("no_password", func(t *testing.T) {
-		h := foProvision(t, foHandler(foRedis(srv.Addr), PolicyDeny, 2))
+		h := provisionHandler(t, foHandler(foRedis(srv.Addr), PolicyDeny, 2))
 		foWantDegraded(t, "no password", foUser(h, "u"), http.StatusServiceUnavailable)
 	})
 	t.Run("env_placeholder", func(t *testing.T) {
@@ -944,22 +926,22 @@ func TestRedisTLS(t *testing.T) {
 		return rc
 	}
 
-	good := foProvision(t, foHandler(tlsConf(func(rc *RedisConfig) { rc.TLSCA = files.CA }), PolicyDeny, 3))
+	good := provisionHandler(t, foHandler(tlsConf(func(rc *RedisConfig) { rc.TLSCA = files.CA }), PolicyDeny, 3))
 	foWantRedis(t, "tls_ca", foUser(good, "u"), http.StatusOK, 2)
 
-	url := foProvision(t, foHandler(tlsConf(func(rc *RedisConfig) {
+	url := provisionHandler(t, foHandler(tlsConf(func(rc *RedisConfig) {
 		rc.Address, rc.URL, rc.TLSCA = nil, "rediss://"+srv.Addr+"/0", files.CA
 	}), PolicyDeny, 3))
 	foWantRedis(t, "rediss:// with tls_ca", foUser(url, "u"), http.StatusOK, 1)
 
-	system := foProvision(t, foHandler(tlsConf(func(rc *RedisConfig) { rc.TLS = true }), PolicyDeny, 3))
+	system := provisionHandler(t, foHandler(tlsConf(func(rc *RedisConfig) { rc.TLS = true }), PolicyDeny, 3))
 	r := foUser(system, "u")
 	foWantDegraded(t, "tls with the system roots", r, http.StatusServiceUnavailable)
 
-	wrong := foProvision(t, foHandler(tlsConf(func(rc *RedisConfig) { rc.TLSCA = other.CA }), PolicyLocal, 3))
+	wrong := provisionHandler(t, foHandler(tlsConf(func(rc *RedisConfig) { rc.TLSCA = other.CA }), PolicyLocal, 3))
 	foWantDegraded(t, "tls_ca of another CA", foUser(wrong, "u"), http.StatusOK)
 
-	plain := foProvision(t, foHandler(foRedis(srv.Addr), PolicyDeny, 3))
+	plain := provisionHandler(t, foHandler(foRedis(srv.Addr), PolicyDeny, 3))
 	foWantDegraded(t, "no tls", foUser(plain, "u"), http.StatusServiceUnavailable)
 
 	foWantRedis(t, "tls_ca again", foUser(good, "u"), http.StatusOK, 0)
@@ -992,7 +974,7 @@ func TestReadiness(t *testing.T) {
 	}
 	strict := foReady(t, &Ready{Redis: rc()})
 	lenient := foReady(t, &Ready{Redis: rc(), AllowDegraded: true})
-	h := foProvision(t, foHandler(rc(), PolicyLocal, 3))
+	h := provisionHandler(t, foHandler(rc(), PolicyLocal, 3))
 
 	want := func(what string, rd *Ready, status int, body string) {
 		t.Helper()

@@ -366,18 +366,7 @@ func gwStoredTokens(t *testing.T, rdb *redis.Client, key string) int64 {
 func inprocHandler(t *testing.T, h *Handler, now func() time.Time) *Handler {
 	t.Helper()
 	h.now = now
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	if err := h.Provision(ctx); err != nil {
-		cancel()
-		t.Fatalf("provision: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := h.Cleanup(); err != nil {
-			t.Errorf("cleanup: %v", err)
-		}
-		cancel()
-	})
-	return h
+	return provisionHandler(t, h)
 }
 
 // inprocServe sends one request through h from remoteAddr with the headers

@@ -352,16 +352,7 @@ func (lg *llmGateway) do(ctx context.Context, method, path, body string, headers
 	for i := 0; i+1 < len(headers); i += 2 {
 		req.Header.Set(headers[i], headers[i+1])
 	}
-	res, err := lg.client.Do(req)
-	if err != nil {
-		return e2eResponse{}, err
-	}
-	defer res.Body.Close()
-	b, err := io.ReadAll(res.Body)
-	if err != nil {
-		return e2eResponse{}, err
-	}
-	return e2eResponse{status: res.StatusCode, header: res.Header, body: string(b)}, nil
+	return readResponse(lg.client.Do(req))
 }
 
 // sync returns once the handler of the previous request has returned: it

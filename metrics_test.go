@@ -181,18 +181,13 @@ const redisCalls = "caddy_token_bucket_redis_call_duration_seconds_count"
 // End to end.
 
 // getPath GETs path on the gateway's site.
-func getPath(g *gateway, path string) response {
+func getPath(g *e2eGateway, path string) e2eResponse {
 	g.t.Helper()
-	res, err := g.client.Get(strings.TrimSuffix(g.url, "/") + path)
+	r, err := readResponse(g.client.Get(strings.TrimSuffix(g.url, "/") + path))
 	if err != nil {
 		g.t.Fatal(err)
 	}
-	defer res.Body.Close()
-	b, err := io.ReadAll(res.Body)
-	if err != nil {
-		g.t.Fatal(err)
-	}
-	return response{status: res.StatusCode, header: res.Header, body: string(b)}
+	return r
 }
 
 // uniqueTier returns a tier name no other test or run (go test -count) of
