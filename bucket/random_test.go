@@ -230,7 +230,7 @@ func settleBoth(t *testing.T, rdb *redis.Client, now int64, step int, keys []str
 	ctx := context.Background()
 	i := r.IntN(len(keys))
 	s := specs[i]
-	delta := r.Int64N(2*s.Capacity+3) - s.Capacity - 1
+	delta := r.Int64N(6*s.Capacity+3) - 3*s.Capacity - 1 // past both bounds
 	args := []any{"3600000", string(appendFloats(nil, s.CapacityUnits(), s.Refill, s.Scale, clampDelta(Adjust{Spec: s, Delta: delta}))),
 		now / 1_000_000, now % 1_000_000}
 	marker := fmt.Sprintf("rnd:{x}:settled:%d", step)

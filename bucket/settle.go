@@ -63,17 +63,22 @@ func (s Sharded) Settle(ctx context.Context, id string, keys []string, adj []Adj
 	return settled, nil
 }
 
-// clampDelta returns the delta in units, capped at one capacity either way
-// (a debt deeper than one capacity is not kept; a refund beyond full is
-// moot), so every value stays exact.
+// clampDelta returns the delta in units, bounded by two capacities either
+// way. Two capacities are enough to take any bucket (it holds at most one)
+// down to the debt floor of minus one capacity, or up to full from the
+// floor, so the bound never changes a result; it keeps 2·capacity·scale
+// (below 2^54, an even number) and every sum the script forms exact in a
+// double.
 func clampDelta(a Adjust) int64 {
-	d := max(-a.Spec.Capacity, min(a.Delta, a.Spec.Capacity))
-	return d * a.Spec.Scale
+	limit := 2 * a.Spec.Capacity
+	return max(-limit, min(a.Delta, limit)) * a.Spec.Scale
 }
 
 // SettleState is the model of settle.lua for one bucket: the state after
 // charging (delta > 0) or giving back (delta < 0) delta tokens at now, and
-// whether the bucket is kept (false: full, its key is deleted).
+// whether the bucket is kept (false: full, its key is deleted). The bucket,
+// refilled to now, goes down by the charge (or up by the refund) exactly,
+// floored at minus one capacity (the deepest debt) and capped at full.
 func SettleState(now int64, s Spec, st State, delta int64) (State, bool) {
 	units := refill(now, s, st)
 	last := max(now, st.Last)

@@ -12,8 +12,10 @@ ARGV[1]  the marker's TTL in milliseconds.
 ARGV[i]  (i >= 2) bucket i's parameters as in token_bucket.lua, the cost
          being the units to charge (> 0) or give back (< 0). A charge may
          take the bucket below zero: the debt blocks later requests until
-         refill repays it; it is capped at one capacity. A bucket given
-         back up to full is deleted.
+         refill repays it; it is floored at minus one capacity (the caller
+         bounds the cost to two capacities either way, which reaches the
+         floor and full from anywhere). A bucket given back up to full is
+         deleted.
 Reply    1 when settled, 0 when the request was settled before.
 
 Every bucket is read before anything is written, the marker included, so a
