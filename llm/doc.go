@@ -1,0 +1,119 @@
+// Package llm estimates the tokens of an LLM API request body before it is
+// sent: OpenAI chat completions, legacy completions, embeddings and the
+// Responses API, and Anthropic messages. It knows nothing of HTTP; the
+// caller reads the body, calls ParseRequest, charges Request.Cost, and,
+// for a streamed request, may send the body WithStreamUsage so that the
+// provider reports the real usage at the end of the stream.
+//
+// # One pass, bounded
+//
+// ParseRequest reads the body once, token by token, with a streaming JSON
+// decoder (github.com/go-json-experiment/json/jsontext) that reads the
+// body in place: time and memory are linear in the size of the body,
+// whatever its shape. Objects and arrays may nest MaxDepth (128) levels
+// deep, the top-level object being level 1; a deeper body is invalid.
+// The body must be one JSON object (whitespace around it is fine);
+// invalid UTF-8 and lone surrogate escapes in strings are accepted and
+// counted.
+//
+// # Names and duplicates
+//
+// Member names are matched exactly, after decoding their escapes, as the
+// providers' JSON parsers do: "MAX_TOKENS" and "Messages" are not
+// "max_tokens" and "messages", and are ignored like any unknown member.
+// Of duplicate members the providers keep the last; wherever that
+// matters to the estimate, the estimate takes the higher reading instead:
+//
+//   - every copy of a member that holds text counts (two "messages"
+//     arrays count both);
+//   - of duplicate budget members, the largest number is the budget (and
+//     see Request.Budget for a null duplicate);
+//   - "model", "stream" and "stream_options" are the last ones, as the
+//     provider reads them.
+//
+// # What is counted
+//
+// PromptTokens is the sum, over every text listed below, of the tokens of
+// that text, plus MediaPartTokens (85) for each media part. The members of
+// the top-level object that count are:
+//
+//	system, prompt, input,     a content value (below): Anthropic system (a
+//	instructions, suffix       string or text blocks), legacy completions
+//	                           prompt (a string, strings, token ids) and
+//	                           suffix, Responses API input (a string or
+//	                           items) and instructions, embeddings input (a
+//	                           string, strings, token ids, arrays of ids)
+//	messages                   an array of messages (objects or null, else
+//	                           the body is invalid), each read as a part
+//	                           that never counts MediaPartTokens itself
+//	tools, functions,          the raw JSON text of the value: function and
+//	response_format            tool definitions, JSON schemas
+//	text                       its "format" member, as raw JSON text (the
+//	                           Responses API structured output schema)
+//
+// A content value is one text when it is a string, its items when it is
+// an array, nothing when it is null, and its raw JSON text otherwise. An
+// item of such an array is: a string, one text; a number, one token (a
+// token id); an array, its items; an object, a part; null, nothing; true
+// or false, its raw JSON text.
+//
+// A part is a message, a content block or part, a tool call or result, or
+// a Responses API item. Its members are read in one pass in any order, and
+// all those that carry text for the model count, whatever the type:
+//
+//	text, content, output,     a content value, so nested blocks count (an
+//	summary, tool_calls        OpenAI role "tool" message's content, an
+//	                           Anthropic tool_result's content, a Responses
+//	                           function_call_output's output, an assistant
+//	                           message's tool_calls, reasoning summaries)
+//	input                      its raw JSON text (Anthropic tool_use input)
+//	arguments, name,           a string is one text, anything else its raw
+//	refusal, thinking          JSON text: tool call arguments, the names of
+//	                           messages, tools and functions called (short:
+//	                           they count as any text, which is never low)
+//	function, function_call    an object read as a part (OpenAI tool call
+//	                           and legacy function call: name, arguments)
+//
+// role, type and every other member count nothing. A part also counts
+// MediaPartTokens when, not being a message, it has a "type" that is not
+// a text type (text, input_text, output_text, refusal, summary_text,
+// message, reasoning, thinking, function, function_call,
+// function_call_output, custom_tool_call, custom_tool_call_output,
+// tool_use, server_tool_use, tool_result), or has neither a type nor any
+// of the members above nor a role. So image_url, input_image, image,
+// input_audio, file, input_file, document and unknown types count 85
+// each, whatever their size or detail; an Anthropic document's text is
+// not read.
+//
+// Not counted: the roles and per-message framing tokens the provider adds
+// (a few per message), tool_choice, metadata, and the budget itself, which
+// is apart (Request.MaxTokens).
+//
+// # Tokenizers
+//
+// A text is either a decoded JSON string (escapes decoded: "\u00e9" is the
+// two UTF-8 bytes of é) or the raw JSON text of a value, byte for byte as
+// in the body, whitespace included. Each text is counted on its own and
+// the counts are summed, so a body's estimate is the sum of its parts and
+// appending a text never lowers it:
+//
+//   - Approx (the default): ⌈UTF-8 bytes / 4⌉ per text, so three texts of
+//     one byte count 3. Bytes, not characters: CJK text is about one token
+//     per character in the real vocabularies, three bytes each.
+//   - O200kBase, Cl100kBase: the byte-pair encodings of tiktoken
+//     (github.com/tiktoken-go/tokenizer, whose vocabularies are compiled
+//     in: nothing is downloaded), special tokens counted as plain text,
+//     invalid UTF-8 as U+FFFD. To keep the time linear, a text is cut
+//     before tokenizing where a whitespace run passes 64 bytes or a run
+//     without whitespace passes 1 KB, which may add a token per cut;
+//     ordinary text has no such run. They cost some 100 times the CPU of
+//     Approx (see the benchmarks).
+//
+// # Budget
+//
+// max_completion_tokens (OpenAI chat), max_tokens (OpenAI legacy and
+// Anthropic) and max_output_tokens (Responses API) are one budget:
+// Request.MaxTokens is the largest of them. Each must be null (absent)
+// or an integer from 0 to MaxCost written without fraction or exponent;
+// anything else makes the body invalid.
+package llm

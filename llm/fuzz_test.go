@@ -1,0 +1,133 @@
+package llm
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"reflect"
+	"testing"
+)
+
+// FuzzParseRequest: ParseRequest does not panic nor change the body; what
+// it accepts is one valid JSON object within bounds; and a message added
+// to a body adds exactly the count of its text (the estimate is the sum
+// of its texts, so it never decreases when a text is added), under Approx
+// and, for small bodies, o200k_base. Seeds are in
+// testdata/fuzz/FuzzParseRequest.
+func FuzzParseRequest(f *testing.F) {
+	o200kTok, _ := ParseTokenizer(O200kBase)
+	f.Fuzz(func(t *testing.T, body []byte, text string) {
+		if len(body) > 64<<10 {
+			return
+		}
+		orig := bytes.Clone(body)
+		req, err := ParseRequest(body, nil)
+		if !bytes.Equal(body, orig) {
+			t.Fatalf("the body changed: %q", body)
+		}
+		if err != nil {
+			if !errors.Is(err, ErrInvalidBody) {
+				t.Fatalf("error %v does not wrap ErrInvalidBody", err)
+			}
+			return
+		}
+		if !json.Valid(body) || bytes.TrimLeft(body, " \t\r\n")[0] != '{' {
+			t.Fatalf("accepted %q, not a JSON object", body)
+		}
+		if req.PromptTokens < 0 || req.PromptTokens > MaxCost || req.MaxTokens < -1 || req.MaxTokens > MaxCost {
+			t.Fatalf("out of bounds: %+v", req)
+		}
+
+		// Add a message with text right after the opening brace.
+		quoted, _ := json.Marshal(text)
+		var decoded string
+		if err := json.Unmarshal(quoted, &decoded); err != nil {
+			t.Fatal(err)
+		}
+		i := bytes.IndexByte(body, '{') + 1
+		msg := `"messages":[{"role":"user","content":` + string(quoted) + `}]`
+		if !req.rw.objEmpty {
+			msg += ","
+		}
+		more := append(append(append([]byte(nil), body[:i]...), msg...), body[i:]...)
+		toks := []Tokenizer{approxTokenizer{}}
+		if len(more) < 2<<10 {
+			toks = append(toks, o200kTok)
+		}
+		for _, tok := range toks {
+			before, err := ParseRequest(body, tok)
+			if err != nil {
+				t.Fatalf("%s: %v", tok.Name(), err)
+			}
+			after, err := ParseRequest(more, tok)
+			want := before.PromptTokens + tok.Count([]byte(decoded))
+			if err != nil || after.PromptTokens != want || after.MaxTokens != before.MaxTokens || after.Model != before.Model {
+				t.Fatalf("%s: adding a message of %q: %+v, %v; want prompt %d from %+v", tok.Name(), decoded, after, err, want, before)
+			}
+		}
+	})
+}
+
+// FuzzWithStreamUsage: the rewrite does not panic; a changed body is
+// valid JSON that decodes to the same value but for include_usage (a
+// Go map keeps the last of duplicate names, as the provider does), and
+// parses to the same estimate; an unchanged body is the same slice.
+// Seeds are in testdata/fuzz/FuzzWithStreamUsage.
+func FuzzWithStreamUsage(f *testing.F) {
+	f.Fuzz(func(t *testing.T, body []byte) {
+		if len(body) > 64<<10 {
+			return
+		}
+		req, err := ParseRequest(body, nil)
+		if err != nil {
+			return
+		}
+		orig := bytes.Clone(body)
+		out, changed, err := WithStreamUsage(body, req)
+		if !bytes.Equal(body, orig) {
+			t.Fatalf("the body changed: %q", body)
+		}
+		if !changed {
+			if len(out) != len(body) || len(out) > 0 && &out[0] != &body[0] {
+				t.Fatalf("unchanged, but another slice: %q", out)
+			}
+			switch {
+			case err == nil && req.NeedsStreamUsage():
+				t.Fatalf("no change, no error, and %+v needs one", req)
+			case err != nil && (!errors.Is(err, ErrStreamOptionsNotObject) || !req.NeedsStreamUsage()):
+				t.Fatalf("error %v for %+v", err, req)
+			}
+			return
+		}
+		if err != nil || !req.NeedsStreamUsage() {
+			t.Fatalf("changed with %v for %+v", err, req)
+		}
+		if !json.Valid(out) {
+			t.Fatalf("invalid JSON: %q", out)
+		}
+		again, err := ParseRequest(out, nil)
+		if err != nil || !again.IncludeUsage || !again.Stream || again.PromptTokens != req.PromptTokens ||
+			again.MaxTokens != req.MaxTokens || again.Model != req.Model {
+			t.Fatalf("%q parses to %+v, %v; from %+v", out, again, err, req)
+		}
+		want, got := decodeJSON(t, body), decodeJSON(t, out)
+		if so, ok := want["stream_options"].(map[string]any); ok {
+			so["include_usage"] = true
+		} else {
+			want["stream_options"] = map[string]any{"include_usage": true}
+		}
+		if !reflect.DeepEqual(got, want) {
+			t.Fatalf("%q decodes to\n%v\nwant\n%v", out, got, want)
+		}
+	})
+}
+
+func decodeJSON(t *testing.T, b []byte) map[string]any {
+	d := json.NewDecoder(bytes.NewReader(b))
+	d.UseNumber()
+	var m map[string]any
+	if err := d.Decode(&m); err != nil {
+		t.Fatalf("%q: %v", b, err)
+	}
+	return m
+}

@@ -1,0 +1,621 @@
+package llm
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/go-json-experiment/json/jsontext"
+)
+
+// Bounds and fixed costs of the estimate.
+const (
+	// MaxCost is the largest count the estimate handles: 2^53 - 1, the
+	// largest integer that JSON numbers and Lua (double) numbers hold
+	// exactly. A budget above it makes the body invalid; PromptTokens and
+	// Cost saturate at it.
+	MaxCost = 1<<53 - 1
+	// MaxDepth is the deepest nesting of objects and arrays a body may
+	// have, the top-level object being level 1. A deeper body is invalid.
+	// Real requests, JSON schemas of tools included, stay far below it.
+	MaxDepth = 128
+	// MediaPartTokens is what a content part that is not text counts (an
+	// image, audio, a file or a part of an unknown type): the base cost of
+	// a low-detail image in OpenAI's pricing.
+	MediaPartTokens = 85
+)
+
+// ErrInvalidBody is returned, wrapped with the reason, by ParseRequest
+// for a body that is not one JSON object (invalid JSON, another value,
+// trailing data), that nests deeper than MaxDepth, whose messages is not
+// an array of objects, or whose budget (max_tokens, max_completion_tokens,
+// max_output_tokens) is neither null nor an integer from 0 to MaxCost.
+var ErrInvalidBody = errors.New("llm: invalid request body")
+
+// Request is what the estimate reads of an LLM API request body.
+type Request struct {
+	// PromptTokens is the estimate of the input tokens: the sum of the
+	// counts of every text the package documentation lists, under the
+	// tokenizer given to ParseRequest, plus MediaPartTokens per media part.
+	// At most MaxCost.
+	PromptTokens int64
+	// MaxTokens is the completion budget the body sets, in tokens: the
+	// largest number among every max_completion_tokens, max_tokens and
+	// max_output_tokens member (duplicates included), from 0 to MaxCost;
+	// -1 when none is set to a number (absent or null). Charge Budget,
+	// which accounts for a null duplicate too.
+	MaxTokens int64
+	// Model is the last "model" member when it is a string, else "".
+	Model string
+	// Stream is true when the last "stream" member is true (the provider
+	// keeps the last of duplicate members).
+	Stream bool
+	// IncludeUsage is true when the last "stream_options" member is an
+	// object whose last "include_usage" member is true.
+	IncludeUsage bool
+
+	// budgetSure: some budget member is a number in all its occurrences,
+	// so the provider's own default budget never applies.
+	budgetSure bool
+	rw         rewriteSpots
+}
+
+// Budget returns the completion budget to charge, in tokens: MaxTokens,
+// or defaultMax when the body sets no budget. When every budget member
+// set to a number also has a null duplicate, the provider may read null
+// (the last duplicate wins) and apply its own default: Budget is then the
+// larger of MaxTokens and defaultMax.
+func (r Request) Budget(defaultMax int64) int64 {
+	switch {
+	case r.MaxTokens < 0:
+		return defaultMax
+	case !r.budgetSure:
+		return max(r.MaxTokens, defaultMax)
+	}
+	return r.MaxTokens
+}
+
+// Cost returns PromptTokens + Budget(defaultMax), at most MaxCost.
+func (r Request) Cost(defaultMax int64) int64 {
+	c := r.PromptTokens + r.Budget(defaultMax)
+	if c > MaxCost || c < 0 {
+		return MaxCost
+	}
+	return c
+}
+
+// ParseRequest reads body in one pass and estimates its tokens with tok
+// (nil: Approx). Member names are matched exactly, as the providers do:
+// "MAX_TOKENS" is not "max_tokens" and is ignored. The body is not
+// modified nor retained. Time and memory are linear in len(body). Under
+// Approx a parse allocates only the Model string (and a buffer for a
+// string over 64 KB with escapes); a BPE tokenizer allocates per text.
+// The error wraps ErrInvalidBody.
+func ParseRequest(body []byte, tok Tokenizer) (Request, error) {
+	if tok == nil {
+		tok = approxTokenizer{}
+	}
+	p := parserPool.Get().(*parser)
+	p.body, p.tok, p.prompt = body, tok, 0
+	p.in = *bytes.NewBuffer(body) // the decoder reads body in place, no copy
+	p.dec.Reset(&p.in, decodeOptions...)
+	req, err := p.parse()
+	p.release()
+	if err != nil {
+		return Request{}, err
+	}
+	return req, nil
+}
+
+// decodeOptions: duplicate names are the parser's business (it counts
+// every copy); invalid UTF-8 is counted, as a lenient provider would read
+// it, rather than refused.
+var decodeOptions = []jsontext.Options{
+	jsontext.AllowDuplicateNames(true),
+	jsontext.AllowInvalidUTF8(true),
+}
+
+var parserPool = sync.Pool{New: func() any { return new(parser) }}
+
+// parser is the state of one ParseRequest, pooled.
+type parser struct {
+	dec    jsontext.Decoder
+	in     bytes.Buffer
+	body   []byte
+	tok    Tokenizer
+	prompt int64
+	name   []byte // an unquoted member name with escapes
+	text   []byte // an unquoted string with escapes
+}
+
+func (p *parser) release() {
+	p.body, p.tok = nil, nil
+	p.in = bytes.Buffer{}
+	p.dec.Reset(&p.in)
+	if cap(p.text) > 64<<10 || cap(p.name) > 64<<10 {
+		p.text, p.name = nil, nil // do not pin the memory of a huge string
+	}
+	parserPool.Put(p)
+}
+
+func invalid(format string, args ...any) error {
+	return fmt.Errorf("%w: "+format, append([]any{ErrInvalidBody}, args...)...)
+}
+
+// syntax wraps an error of the decoder.
+func syntax(err error) error {
+	return fmt.Errorf("%w: %w", ErrInvalidBody, err)
+}
+
+// The budget members, all three equivalent.
+const (
+	budgetMaxTokens = iota
+	budgetMaxCompletionTokens
+	budgetMaxOutputTokens
+	budgets
+)
+
+// parse reads the top-level object.
+func (p *parser) parse() (Request, error) {
+	req := Request{MaxTokens: -1, rw: rewriteSpots{bodyLen: len(p.body)}}
+	if k := p.dec.PeekKind(); k != '{' {
+		if k == jsontext.KindInvalid {
+			_, err := p.dec.ReadToken()
+			return req, syntax(err)
+		}
+		return req, invalid("not a JSON object")
+	}
+	if _, err := p.dec.ReadToken(); err != nil {
+		return req, syntax(err)
+	}
+	req.rw.objOpen = int(p.dec.InputOffset()) - 1
+	req.rw.objEmpty = p.dec.PeekKind() == '}'
+	modelStart, modelEnd := -1, -1
+	var numeric, null [budgets]bool
+	for p.dec.PeekKind() != '}' {
+		name, err := p.memberName()
+		if err != nil {
+			return req, err
+		}
+		b := -1
+		switch string(name) {
+		case "model":
+			modelStart, modelEnd = -1, -1
+			if p.dec.PeekKind() == '"' {
+				raw, err := p.dec.ReadValue()
+				if err != nil {
+					return req, syntax(err)
+				}
+				modelEnd = int(p.dec.InputOffset())
+				modelStart = modelEnd - len(raw)
+			} else {
+				err = p.skip()
+			}
+		case "stream":
+			req.Stream = p.dec.PeekKind() == 't'
+			err = p.skip()
+		case "stream_options":
+			err = p.streamOptions(&req)
+		case "max_tokens":
+			b = budgetMaxTokens
+		case "max_completion_tokens":
+			b = budgetMaxCompletionTokens
+		case "max_output_tokens":
+			b = budgetMaxOutputTokens
+		case "messages":
+			err = p.messages()
+		case "system", "prompt", "input", "instructions", "suffix":
+			err = p.content()
+		case "tools", "functions", "response_format":
+			err = p.jsonText()
+		case "text":
+			err = p.textOptions()
+		default:
+			err = p.skip()
+		}
+		if b >= 0 {
+			n, isNull, e := p.budget(name)
+			if e != nil {
+				return req, e
+			}
+			if isNull {
+				null[b] = true
+			} else {
+				numeric[b] = true
+				req.MaxTokens = max(req.MaxTokens, n)
+			}
+		}
+		if err != nil {
+			return req, err
+		}
+	}
+	if _, err := p.dec.ReadToken(); err != nil {
+		return req, syntax(err)
+	}
+	end := int(p.dec.InputOffset())
+	for _, c := range p.body[end:] {
+		if c != ' ' && c != '\t' && c != '\n' && c != '\r' {
+			return req, invalid("data after the top-level object at byte %d", end)
+		}
+	}
+	for b := range budgets {
+		req.budgetSure = req.budgetSure || numeric[b] && !null[b]
+	}
+	if modelStart >= 0 {
+		req.Model = string(p.unquote(p.body[modelStart:modelEnd]))
+	}
+	req.PromptTokens = min(p.prompt, MaxCost)
+	req.rw.ok = true
+	return req, nil
+}
+
+// memberName reads an object member name and returns it unquoted; it is
+// valid until the next memberName.
+func (p *parser) memberName() ([]byte, error) {
+	raw, err := p.dec.ReadValue()
+	if err != nil {
+		return nil, syntax(err)
+	}
+	s := raw[1 : len(raw)-1]
+	if bytes.IndexByte(s, '\\') < 0 {
+		return s, nil
+	}
+	p.name, _ = jsontext.AppendUnquote(p.name[:0], raw) // syntax checked by the decoder
+	return p.name, nil
+}
+
+// unquote returns the text of a JSON string read by the decoder, valid
+// until the next unquote. Escapes are decoded; invalid UTF-8 and lone
+// surrogate escapes become U+FFFD when the string has escapes, and stay
+// as they are otherwise.
+func (p *parser) unquote(raw []byte) []byte {
+	s := raw[1 : len(raw)-1]
+	if bytes.IndexByte(s, '\\') < 0 {
+		return s
+	}
+	p.text, _ = jsontext.AppendUnquote(p.text[:0], raw) // syntax checked by the decoder
+	return p.text
+}
+
+func (p *parser) add(n int64) { p.prompt += n }
+
+// budget reads the value of a budget member: null, or an integer from 0
+// to MaxCost.
+func (p *parser) budget(name []byte) (n int64, isNull bool, err error) {
+	k := p.dec.PeekKind()
+	if k != 'n' && k != '0' {
+		if err := p.skip(); err != nil {
+			return 0, false, err
+		}
+		return 0, false, invalid("%s is not a number", name)
+	}
+	raw, err := p.dec.ReadValue()
+	if err != nil {
+		return 0, false, syntax(err)
+	}
+	if k == 'n' {
+		return 0, true, nil
+	}
+	if raw[0] == '-' {
+		return 0, false, invalid("%s %.20s is negative", name, raw)
+	}
+	if len(raw) > 16 { // MaxCost has 16 digits
+		return 0, false, invalid("%s %.20s is not an integer up to %d", name, raw, int64(MaxCost))
+	}
+	for _, c := range raw {
+		if c < '0' || c > '9' {
+			return 0, false, invalid("%s %.20s is not an integer", name, raw)
+		}
+		n = n*10 + int64(c-'0')
+	}
+	if n > MaxCost {
+		return 0, false, invalid("%s %s is above %d", name, raw, int64(MaxCost))
+	}
+	return n, false, nil
+}
+
+// begin reads the '{' or '[' the decoder is at, within MaxDepth.
+func (p *parser) begin() error {
+	if _, err := p.dec.ReadToken(); err != nil {
+		return syntax(err)
+	}
+	if p.dec.StackDepth() > MaxDepth {
+		return invalid("nested deeper than %d at byte %d", MaxDepth, p.dec.InputOffset()-1)
+	}
+	return nil
+}
+
+// end reads the '}' or ']' the decoder is at.
+func (p *parser) end() error {
+	if _, err := p.dec.ReadToken(); err != nil {
+		return syntax(err)
+	}
+	return nil
+}
+
+// skipSpan reads a value, whatever it is, within MaxDepth, and returns
+// the offsets in the body of its first byte and of the byte past its last.
+func (p *parser) skipSpan() (start, end int, err error) {
+	switch p.dec.PeekKind() {
+	case '{', '[':
+	default:
+		raw, err := p.dec.ReadValue()
+		if err != nil {
+			return 0, 0, syntax(err)
+		}
+		end = int(p.dec.InputOffset())
+		return end - len(raw), end, nil
+	}
+	if err := p.begin(); err != nil {
+		return 0, 0, err
+	}
+	start = int(p.dec.InputOffset()) - 1
+	for depth := p.dec.StackDepth() - 1; p.dec.StackDepth() > depth; {
+		switch p.dec.PeekKind() {
+		case '{', '[':
+			err = p.begin()
+		default:
+			_, err = p.dec.ReadToken()
+			if err != nil {
+				err = syntax(err)
+			}
+		}
+		if err != nil {
+			return 0, 0, err
+		}
+	}
+	return start, int(p.dec.InputOffset()), nil
+}
+
+func (p *parser) skip() error {
+	_, _, err := p.skipSpan()
+	return err
+}
+
+// jsonText counts the raw JSON text of a value; null counts nothing.
+func (p *parser) jsonText() error {
+	if p.dec.PeekKind() == 'n' {
+		return p.skip()
+	}
+	start, end, err := p.skipSpan()
+	if err != nil {
+		return err
+	}
+	p.add(p.tok.Count(p.body[start:end]))
+	return nil
+}
+
+// str counts the string the decoder is at.
+func (p *parser) str() error {
+	raw, err := p.dec.ReadValue()
+	if err != nil {
+		return syntax(err)
+	}
+	p.add(p.tok.Count(p.unquote(raw)))
+	return nil
+}
+
+// content counts a content value: a string is a text; an array holds
+// items; null is nothing; anything else counts as JSON text.
+func (p *parser) content() error {
+	switch p.dec.PeekKind() {
+	case '"':
+		return p.str()
+	case '[':
+		return p.items()
+	case 'n':
+		return p.skip()
+	}
+	return p.jsonText()
+}
+
+// items counts the items of the array the decoder is at.
+func (p *parser) items() error {
+	if err := p.begin(); err != nil {
+		return err
+	}
+	for {
+		var err error
+		switch p.dec.PeekKind() {
+		case ']':
+			return p.end()
+		case '"':
+			err = p.str()
+		case '0': // a token id
+			p.add(1)
+			err = p.skip()
+		case '[':
+			err = p.items()
+		case '{':
+			err = p.part(false)
+		case 'n':
+			err = p.skip()
+		default:
+			err = p.jsonText()
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// messages counts the array of messages the decoder is at.
+func (p *parser) messages() error {
+	switch p.dec.PeekKind() {
+	case 'n':
+		return p.skip()
+	case '[':
+	default:
+		if err := p.skip(); err != nil {
+			return err
+		}
+		return invalid("messages is not an array")
+	}
+	if err := p.begin(); err != nil {
+		return err
+	}
+	for {
+		var err error
+		switch p.dec.PeekKind() {
+		case ']':
+			return p.end()
+		case '{':
+			err = p.part(true)
+		case 'n':
+			err = p.skip()
+		default:
+			if err := p.skip(); err != nil {
+				return err
+			}
+			return invalid("a message is not an object")
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// part counts an object of a content array, an input or a messages array:
+// a message, a content part, a tool call or result, a Responses API item.
+// Members are read in one pass, whatever their order: every member that
+// carries text for the model counts, whatever the type. A part whose type
+// is not one of textTypes, or that has no type and none of the members
+// that carry text, counts MediaPartTokens, unless it is a message.
+func (p *parser) part(message bool) error {
+	if err := p.begin(); err != nil {
+		return err
+	}
+	var typed, media, known bool
+	for p.dec.PeekKind() != '}' {
+		name, err := p.memberName()
+		if err != nil {
+			return err
+		}
+		switch string(name) {
+		case "type":
+			typed = true
+			if p.dec.PeekKind() != '"' {
+				media = true
+				err = p.skip()
+				break
+			}
+			var raw jsontext.Value
+			if raw, err = p.dec.ReadValue(); err != nil {
+				return syntax(err)
+			}
+			media = media || !textType(p.unquote(raw))
+		case "text", "content", "output", "summary", "tool_calls":
+			known = true
+			err = p.content()
+		case "input":
+			known = true
+			err = p.jsonText()
+		case "arguments", "name", "refusal", "thinking":
+			known = true
+			if p.dec.PeekKind() == '"' {
+				err = p.str()
+			} else {
+				err = p.jsonText()
+			}
+		case "function", "function_call":
+			known = true
+			if p.dec.PeekKind() == '{' {
+				err = p.part(true)
+			} else {
+				err = p.jsonText()
+			}
+		case "role":
+			known = true
+			err = p.skip()
+		default:
+			err = p.skip()
+		}
+		if err != nil {
+			return err
+		}
+	}
+	if !message && (media || !typed && !known) {
+		p.add(MediaPartTokens)
+	}
+	return p.end()
+}
+
+// textType reports whether a part of that type carries text (or tool
+// calls and results) rather than media.
+func textType(t []byte) bool {
+	switch string(t) {
+	case "text", "input_text", "output_text", "refusal", "summary_text",
+		"message", "reasoning", "thinking",
+		"function", "function_call", "function_call_output",
+		"custom_tool_call", "custom_tool_call_output",
+		"tool_use", "server_tool_use", "tool_result":
+		return true
+	}
+	return false
+}
+
+// textOptions reads the Responses API "text" object: its "format" counts
+// as JSON text.
+func (p *parser) textOptions() error {
+	if p.dec.PeekKind() != '{' {
+		return p.skip()
+	}
+	if err := p.begin(); err != nil {
+		return err
+	}
+	for p.dec.PeekKind() != '}' {
+		name, err := p.memberName()
+		if err != nil {
+			return err
+		}
+		if string(name) == "format" {
+			err = p.jsonText()
+		} else {
+			err = p.skip()
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return p.end()
+}
+
+// streamOptions reads a "stream_options" member and records where the
+// rewrite goes. The last one wins.
+func (p *parser) streamOptions(req *Request) error {
+	req.IncludeUsage = false
+	rw := &req.rw
+	rw.iuStart, rw.iuEnd = -1, -1
+	switch p.dec.PeekKind() {
+	case 'n':
+		start, end, err := p.skipSpan()
+		rw.so, rw.soStart, rw.soEnd = soNull, start, end
+		return err
+	case '{':
+	default:
+		rw.so = soOther
+		return p.skip()
+	}
+	if err := p.begin(); err != nil {
+		return err
+	}
+	rw.so, rw.soStart = soObject, int(p.dec.InputOffset())-1
+	rw.soEmpty = p.dec.PeekKind() == '}'
+	for p.dec.PeekKind() != '}' {
+		name, err := p.memberName()
+		if err != nil {
+			return err
+		}
+		if string(name) == "include_usage" {
+			req.IncludeUsage = p.dec.PeekKind() == 't'
+			rw.iuStart, rw.iuEnd, err = p.skipSpan()
+		} else {
+			err = p.skip()
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return p.end()
+}

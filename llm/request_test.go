@@ -1,0 +1,502 @@
+package llm
+
+import (
+	"errors"
+	"strings"
+	"testing"
+)
+
+// ap is the Approx count of one text: ⌈bytes/4⌉.
+func ap(s string) int64 { return (int64(len(s)) + 3) / 4 }
+
+// Texts that are raw JSON values in the bodies below.
+const (
+	openAITools = `[{"type":"function","function":{"name":"get_weather","description":"Current weather in a city",` +
+		`"parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}]`
+	anthropicTools = `[{"name":"get_weather","description":"Current weather in a city",` +
+		`"input_schema":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}]`
+	prettyTools = "[\n  {\n    \"name\": \"f\",\n    \"parameters\": {}\n  }\n]"
+	legacyFuncs = `[{"name":"get_weather","parameters":{"type":"object","properties":{}}}]`
+	respFormat  = `{"type":"json_schema","json_schema":{"name":"answer","schema":{"type":"object",` +
+		`"properties":{"answer":{"type":"string"}},"required":["answer"]}}}`
+	textFormat = `{"type":"json_schema","name":"answer","schema":{"type":"object","properties":{}}}`
+	toolInput  = `{"city":"Paris"}`
+)
+
+// TestParseRequestApprox: exact estimates under Approx, ⌈bytes/4⌉ per
+// text summed, + 85 per media part, on every request shape, and the
+// bodies that are invalid. prompt is PromptTokens, budget MaxTokens.
+func TestParseRequestApprox(t *testing.T) {
+	for _, tc := range []struct {
+		name           string
+		body           string
+		prompt, budget int64 // prompt -1: invalid body
+	}{
+		// OpenAI chat. 14, 23, 15 and 7 bytes: 4 + 6 + 4 + 2.
+		{"chat_strings", `{"model":"gpt-4o","messages":[` +
+			`{"role":"system","content":"You are terse."},` +
+			`{"role":"user","content":"What is a token bucket?"},` +
+			`{"role":"assistant","content":"A rate limiter."},` +
+			`{"role":"user","content":"Thanks!"}],"max_tokens":100}`, 16, 100},
+		// 22 bytes: 6, + 85 for the image.
+		{"text_and_image_url", `{"messages":[{"role":"user","content":[` +
+			`{"type":"text","text":"What is in this image?"},` +
+			`{"type":"image_url","image_url":{"url":"https://example.com/cat.png","detail":"high"}}]}],"max_tokens":50}`, 6 + 85, 50},
+		// 8 bytes: 2, + 3 × 85.
+		{"two_images_and_audio", `{"messages":[{"role":"user","content":[` +
+			`{"type":"text","text":"Compare."},` +
+			`{"type":"image_url","image_url":{"url":"https://example.com/a.png"}},` +
+			`{"type":"image_url","image_url":{"url":"data:image/png;base64,iVBORw0KGgo="}},` +
+			`{"type":"input_audio","input_audio":{"data":"UklGRg==","format":"wav"}}]}],"max_completion_tokens":10}`, 2 + 3*85, 10},
+		{"file_part", `{"messages":[{"role":"user","content":[{"type":"file","file":{"file_id":"file-1"}}]}]}`, 85, -1},
+		{"unknown_part_type", `{"messages":[{"role":"user","content":[{"type":"hologram","text":"abcd"}]}]}`, 1 + 85, -1},
+		{"untyped_text_part", `{"messages":[{"content":[{"text":"abcd"}]}]}`, 1, -1},
+		{"untyped_part_without_text", `{"messages":[{"content":[{"image_url":{"url":"x"}}]}]}`, 85, -1},
+		{"part_members_in_any_order", `{"messages":[{"content":[{"text":"abcdefgh","type":"text"}],"role":"user"}]}`, 2, -1},
+		{"refusal_part", `{"messages":[{"role":"assistant","content":[{"type":"refusal","refusal":"I can't."}]}]}`, 2, -1},
+		{"message_name", `{"messages":[{"role":"user","name":"alice","content":"Hi!"}]}`, 2 + 1, -1},
+		{"missing_max_tokens", `{"messages":[{"role":"user","content":"Hi!"}]}`, 1, -1},
+		{"null_max_tokens", `{"messages":[{"role":"user","content":"Hi!"}],"max_tokens":null}`, 1, -1},
+		{"largest_budget_of_three", `{"messages":[{"role":"user","content":"Hi!"}],` +
+			`"max_tokens":999,"max_output_tokens":7,"max_completion_tokens":300}`, 1, 999},
+		{"max_tokens_over_max_output_tokens", `{"input":"Hi!","max_output_tokens":7,"max_tokens":20}`, 1, 20},
+		{"budget_zero", `{"prompt":"abcd","max_tokens":0}`, 1, 0},
+		{"budget_at_max_cost", `{"max_tokens":9007199254740991}`, 0, MaxCost},
+
+		// OpenAI tools, structured output, tool calls and tool results:
+		// the tool definitions and schemas count as raw JSON text.
+		{"openai_tools", `{"messages":[{"role":"user","content":"Weather in Paris?"}],"tools":` + openAITools + `}`,
+			5 + ap(openAITools), -1},
+		{"openai_legacy_functions", `{"messages":[],"functions":` + legacyFuncs + `}`, ap(legacyFuncs), -1},
+		{"openai_response_format", `{"messages":[{"role":"user","content":"abcd"}],"response_format":` + respFormat + `}`,
+			1 + ap(respFormat), -1},
+		{"response_format_json_object", `{"response_format":{"type":"json_object"}}`, ap(`{"type":"json_object"}`), -1},
+		{"pretty_printed_tools_count_whitespace", "{\"tools\": " + prettyTools + "}", ap(prettyTools), -1},
+		{"null_tools", `{"tools":null,"response_format":null}`, 0, -1},
+		// Assistant tool call: content null; name "get_weather" (11: 3),
+		// arguments {"city":"Paris"} (16: 4); the tool result "15 °C"
+		// (6 bytes: 2); then a tool result as text parts (5: 2).
+		{"openai_tool_call_and_result", `{"messages":[` +
+			`{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function",` +
+			`"function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"}}]},` +
+			`{"role":"tool","tool_call_id":"call_1","content":"15 °C"},` +
+			`{"role":"tool","tool_call_id":"call_2","content":[{"type":"text","text":"sunny"}]}],"max_tokens":1}`, 3 + 4 + 2 + 2, 1},
+		// Legacy function_call of an assistant message: name 1, arguments 1.
+		{"openai_legacy_function_call", `{"messages":[{"role":"assistant","content":null,` +
+			`"function_call":{"name":"f","arguments":"{}"}},{"role":"function","name":"f","content":"ok"}]}`, 1 + 1 + 1 + 1, -1},
+		// Old estimator test: a null content and a tool message "42".
+		{"tool_call_with_null_content", `{"messages":[` +
+			`{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]},` +
+			`{"role":"tool","tool_call_id":"c1","content":"42"}],"max_tokens":1}`, 3, 1},
+
+		// Anthropic messages. 17 + 5 bytes: 5 + 2.
+		{"anthropic_system_string", `{"model":"claude","max_tokens":1000,"system":"You are a pirate.",` +
+			`"messages":[{"role":"user","content":"Hello"}]}`, 5 + 2, 1000},
+		// 17, 14 and 12 bytes: 5 + 4 + 3, + 85 for the image.
+		{"anthropic_system_blocks_and_image", `{"model":"claude","max_tokens":1000,"system":[` +
+			`{"type":"text","text":"You are a pirate."},` +
+			`{"type":"text","text":"Speak briefly.","cache_control":{"type":"ephemeral"}}],` +
+			`"messages":[{"role":"user","content":[` +
+			`{"type":"image","source":{"type":"base64","media_type":"image/png","data":"iVBORw0KGgo="}},` +
+			`{"type":"text","text":"Describe it."}]}]}`, 5 + 4 + 3 + 85, 1000},
+		{"anthropic_tools", `{"max_tokens":10,"tools":` + anthropicTools + `,"messages":[{"role":"user","content":"abcd"}]}`,
+			ap(anthropicTools) + 1, 10},
+		// tool_use: a text (8: 2), name (3), input as JSON text (4); then
+		// tool_result as a string (10: 3), and as blocks: text (3) and an
+		// image (85).
+		{"anthropic_tool_use_and_result", `{"max_tokens":10,"messages":[` +
+			`{"role":"assistant","content":[{"type":"text","text":"Checking"},` +
+			`{"type":"tool_use","id":"toolu_1","name":"get_weather","input":` + toolInput + `}]},` +
+			`{"role":"user","content":[{"type":"tool_result","tool_use_id":"toolu_1","content":"15 degrees"}]},` +
+			`{"role":"user","content":[{"type":"tool_result","tool_use_id":"toolu_2","content":[` +
+			`{"type":"text","text":"15 degrees"},{"type":"image","source":{"type":"url","url":"https://x/y.png"}}]}]}]}`,
+			2 + 3 + ap(toolInput) + 3 + 3 + 85, 10},
+		{"anthropic_thinking", `{"messages":[{"role":"assistant","content":[` +
+			`{"type":"thinking","thinking":"Let me see.","signature":"abc"}]}]}`, 3, -1},
+		{"anthropic_document_counts_85", `{"messages":[{"role":"user","content":[` +
+			`{"type":"document","source":{"type":"text","media_type":"text/plain","data":"a long text"}}]}]}`, 85, -1},
+
+		// Responses API. "Write a haiku about rate limits." is 32 bytes.
+		{"responses_input_string", `{"model":"gpt-4.1","input":"Write a haiku about rate limits.","max_output_tokens":64}`, 8, 64},
+		// 13 + 19 bytes: 4 + 5, and an input_image.
+		{"responses_input_messages", `{"model":"gpt-4.1","input":[` +
+			`{"role":"developer","content":"Answer in one"},` +
+			`{"type":"message","role":"user","content":[{"type":"input_text","text":"What is this image?"},` +
+			`{"type":"input_image","image_url":"https://example.com/x.png"}]}],"max_output_tokens":64}`, 4 + 5 + 85, 64},
+		// instructions (16: 4); a function_call item: name 1, arguments
+		// {"a":1} (7: 2); its output "result" (6: 2); output_text (5: 2).
+		{"responses_instructions_and_items", `{"instructions":"Be very concise.","input":[` +
+			`{"type":"function_call","call_id":"c1","name":"f","arguments":"{\"a\":1}"},` +
+			`{"type":"function_call_output","call_id":"c1","output":"result"},` +
+			`{"type":"message","role":"assistant","content":[{"type":"output_text","text":"Done."}]}]}`, 4 + 1 + 2 + 2 + 2, -1},
+		{"responses_text_format", `{"input":"abcd","text":{"verbosity":"low","format":` + textFormat + `}}`, 1 + ap(textFormat), -1},
+		{"responses_text_not_an_object", `{"input":"abcd","text":"ignored"}`, 1, -1},
+
+		// Legacy completions. "Say this is a test" is 18 bytes.
+		{"legacy_prompt_string", `{"model":"gpt-3.5-turbo-instruct","prompt":"Say this is a test","max_tokens":7}`, 5, 7},
+		{"legacy_prompt_array", `{"prompt":["Say this","is a test!"],"max_tokens":7}`, 2 + 3, 7},
+		{"legacy_prompt_token_ids", `{"prompt":[1212,318,257,1332],"suffix":"abcdef"}`, 4 + 2, -1},
+
+		// Embeddings: strings, token ids, arrays of token ids.
+		{"embeddings_string", `{"model":"text-embedding-3-small","input":"The food was delicious"}`, 6, -1},
+		{"embeddings_strings", `{"input":["abcd","abcde",""]}`, 1 + 2 + 0, -1},
+		{"embeddings_token_ids", `{"input":[9906,1917,0,-1,2.5]}`, 5, -1},
+		{"embeddings_token_id_arrays", `{"input":[[1,2,3],[4],[]]}`, 4, -1},
+
+		// Texts are UTF-8 bytes, escapes decoded: 10 CJK characters are 30
+		// bytes (8), 👋🌍🚀✨ 15 bytes (4); h\u00e9llo \"w\" is 10 bytes.
+		{"cjk_bytes_not_runes", `{"messages":[{"role":"user","content":"日本語のテキストです"},` +
+			`{"role":"user","content":"👋🌍🚀✨"}],"max_tokens":0}`, 8 + 4, 0},
+		{"json_escapes_decoded", `{"messages":[{"role":"user","content":"h\u00e9llo \"w\""}],"max_tokens":0}`, 3, 0},
+		{"surrogate_pair_escape", `{"prompt":"\ud83d\ude80"}`, 1, -1},
+		{"lone_surrogate_is_fffd", `{"prompt":"ab\ud800"}`, 2, -1}, // 2 + 3 bytes
+		{"invalid_utf8_counted", "{\"prompt\":\"abc\xff\xfe\"}", 2, -1},
+		{"four_bytes_one_token", `{"prompt":"abcd","max_tokens":0}`, 1, 0},
+		{"five_bytes_two_tokens", `{"prompt":"abcde","max_tokens":0}`, 2, 0},
+		// Each text rounds up on its own: 3 × ⌈1/4⌉.
+		{"rounding_per_text", `{"messages":[{"content":"a"},{"content":"b"},{"content":"c"}],"max_tokens":0}`, 3, 0},
+		{"empty_strings", `{"messages":[{"content":""}],"prompt":""}`, 0, -1},
+		{"nothing", `{"messages":[],"max_tokens":0}`, 0, 0},
+		{"empty_object", `{}`, 0, -1},
+		{"null_messages_and_elements", `{"messages":null,"system":null}`, 0, -1},
+		{"null_message", `{"messages":[null,{"content":"abcd"}]}`, 1, -1},
+		{"whitespace_around", " \r\n\t{\"prompt\":\"abcd\",\"max_tokens\":3}\n", 1, 3},
+		{"unexpected_content_types_count_as_json", `{"messages":[{"content":{"a":1}},{"content":12345}],"prompt":true}`,
+			ap(`{"a":1}`) + ap("12345") + ap("true"), -1},
+		{"unknown_members_ignored", `{"metadata":{"user":"a long string that is not sent"},"temperature":0.2,"tool_choice":"auto"}`, 0, -1},
+
+		// Case-sensitive names, as the provider reads them.
+		{"upper_case_budget_ignored", `{"max_tokens":100000,"MAX_TOKENS":1}`, 0, 100000},
+		{"upper_case_budget_alone_ignored", `{"MAX_TOKENS":100000,"max_tokens":1}`, 0, 1},
+		{"mixed_case_names_ignored", `{"Messages":[{"content":"abcd"}],"Prompt":"abcd","Max_Tokens":5}`, 0, -1},
+		{"mixed_case_part_names_ignored", `{"messages":[{"Content":"abcd","content":"ab"}]}`, 1, -1},
+		{"escaped_name_matches", `{"max\u005ftokens":42,"m\u0065ssages":[{"content":"abcd"}]}`, 1, 42},
+
+		// Duplicates: every copy of text counts; the largest budget.
+		{"duplicate_budget_largest_first", `{"max_tokens":1000,"max_tokens":1}`, 0, 1000},
+		{"duplicate_budget_largest_last", `{"max_tokens":1,"max_tokens":1000}`, 0, 1000},
+		{"duplicate_messages_both_count", `{"messages":[{"content":"abcd"}],"messages":[{"content":"abcdefgh"}]}`, 1 + 2, -1},
+		{"duplicate_content_both_count", `{"messages":[{"content":"abcd","content":"abcdefgh"}]}`, 1 + 2, -1},
+		{"duplicate_text_both_count", `{"messages":[{"content":[{"type":"text","text":"abcd","text":"abcd"}]}]}`, 2, -1},
+		{"duplicate_type_media_wins", `{"messages":[{"content":[{"type":"image_url","type":"text","text":"abcd"}]}]}`, 1 + 85, -1},
+		{"duplicate_system_prompt_input", `{"system":"abcd","system":"abcd","prompt":"abcd","input":"abcd","input":["abcd"]}`, 5, -1},
+
+		// Invalid bodies.
+		{"not_json", `hello`, -1, 0},
+		{"empty_body", ``, -1, 0},
+		{"only_whitespace", " \n", -1, 0},
+		{"truncated_json", `{"messages":[`, -1, 0},
+		{"trailing_garbage", `{"max_tokens":1} x`, -1, 0},
+		{"two_objects", `{} {}`, -1, 0},
+		{"json_array", `[{"messages":[]}]`, -1, 0},
+		{"json_string", `"hello"`, -1, 0},
+		{"json_null", `null`, -1, 0},
+		{"json_number", `42`, -1, 0},
+		{"trailing_comma", `{"prompt":"a",}`, -1, 0},
+		{"single_quotes", `{'prompt':'a'}`, -1, 0},
+		{"nan", `{"temperature":NaN}`, -1, 0},
+		{"negative_budget", `{"max_tokens":-1}`, -1, 0},
+		{"negative_zero_budget", `{"max_tokens":-0}`, -1, 0},
+		{"fractional_budget", `{"max_tokens":1.5}`, -1, 0},
+		{"integral_float_budget", `{"max_tokens":1.0}`, -1, 0},
+		{"exponent_budget", `{"max_tokens":1e3}`, -1, 0},
+		{"string_budget", `{"max_tokens":"5"}`, -1, 0},
+		{"bool_budget", `{"max_completion_tokens":true}`, -1, 0},
+		{"object_budget", `{"max_output_tokens":{}}`, -1, 0},
+		{"budget_above_max_cost", `{"max_tokens":9007199254740992}`, -1, 0},
+		{"budget_far_above_max_cost", `{"max_tokens":100000000000000000000000}`, -1, 0},
+		{"invalid_duplicate_budget", `{"max_tokens":5,"max_tokens":-5}`, -1, 0},
+		{"messages_not_an_array", `{"messages":"hi"}`, -1, 0},
+		{"message_not_an_object", `{"messages":["hi"]}`, -1, 0},
+		{"control_character_in_string", "{\"prompt\":\"a\x01b\"}", -1, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			req, err := ParseRequest([]byte(tc.body), nil)
+			if tc.prompt < 0 {
+				if !errors.Is(err, ErrInvalidBody) {
+					t.Fatalf("ParseRequest = %+v, %v; want ErrInvalidBody", req, err)
+				}
+				return
+			}
+			if err != nil || req.PromptTokens != tc.prompt || req.MaxTokens != tc.budget {
+				t.Fatalf("ParseRequest = prompt %d, budget %d, %v; want %d, %d", req.PromptTokens, req.MaxTokens, err, tc.prompt, tc.budget)
+			}
+		})
+	}
+}
+
+// TestParseRequestBPE: exact counts under the tiktoken encodings, found by
+// running them once; "hello world" is 2 tokens in both, as published.
+func TestParseRequestBPE(t *testing.T) {
+	for _, tc := range []struct {
+		name, body    string
+		o200k, cl100k int64
+	}{
+		{"hello_world", `{"prompt":"hello world"}`, 2, 2},
+		{"sentence", `{"messages":[{"role":"user","content":"The quick brown fox jumps over the lazy dog."}]}`, 10, 10},
+		{"cjk", `{"messages":[{"role":"user","content":"日本語のテキストです"}]}`, 7, 9},
+		// Each text on its own: 2 + 2, and the escape decoded (é).
+		{"two_texts_and_escape", `{"system":"hello world","prompt":"h\u00e9llo world"}`, 2 + 3, 2 + 4},
+		// The schema's raw JSON text, and an image's 85.
+		{"json_text_and_image", `{"response_format":{"type":"object","properties":{"city":{"type":"string"}}},` +
+			`"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}`, 14 + 85, 14 + 85},
+		{"special_tokens_as_text", `{"prompt":"<|endoftext|>"}`, 7, 7},
+		{"token_ids_one_each", `{"input":[[1,2,3],[4]]}`, 4, 4},
+	} {
+		for _, enc := range []struct {
+			name string
+			want int64
+		}{{O200kBase, tc.o200k}, {Cl100kBase, tc.cl100k}} {
+			t.Run(tc.name+"/"+enc.name, func(t *testing.T) {
+				tok, err := ParseTokenizer(enc.name)
+				if err != nil {
+					t.Fatal(err)
+				}
+				req, err := ParseRequest([]byte(tc.body), tok)
+				if err != nil || req.PromptTokens != enc.want {
+					t.Fatalf("PromptTokens = %d, %v; want %d", req.PromptTokens, err, enc.want)
+				}
+			})
+		}
+	}
+}
+
+func TestParseRequestFields(t *testing.T) {
+	for _, tc := range []struct {
+		name, body           string
+		model                string
+		stream, includeUsage bool
+	}{
+		{"plain", `{"model":"gpt-4o","messages":[]}`, "gpt-4o", false, false},
+		{"escaped_model", `{"model":"gpt-4o\u002dmini"}`, "gpt-4o-mini", false, false},
+		{"last_model_wins", `{"model":"a","model":"b"}`, "b", false, false},
+		{"non_string_model", `{"model":"a","model":5}`, "", false, false},
+		{"upper_case_model_ignored", `{"model":"a","MODEL":"b"}`, "a", false, false},
+		{"stream", `{"stream":true}`, "", true, false},
+		{"stream_false", `{"stream":false}`, "", false, false},
+		{"stream_string_is_not_true", `{"stream":"true"}`, "", false, false},
+		{"last_stream_wins", `{"stream":true,"stream":false}`, "", false, false},
+		{"last_stream_wins_true", `{"stream":false,"stream":true}`, "", true, false},
+		{"include_usage", `{"stream":true,"stream_options":{"include_usage":true}}`, "", true, true},
+		{"include_usage_false", `{"stream":true,"stream_options":{"include_usage":false}}`, "", true, false},
+		{"last_include_usage_wins", `{"stream":true,"stream_options":{"include_usage":true,"include_usage":false}}`, "", true, false},
+		{"last_stream_options_wins", `{"stream":true,"stream_options":{"include_usage":true},"stream_options":{}}`, "", true, false},
+		{"last_stream_options_wins_true", `{"stream":true,"stream_options":null,"stream_options":{"include_usage":true}}`, "", true, true},
+		{"upper_case_include_usage_ignored", `{"stream":true,"stream_options":{"INCLUDE_USAGE":true}}`, "", true, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			req, err := ParseRequest([]byte(tc.body), nil)
+			if err != nil || req.Model != tc.model || req.Stream != tc.stream || req.IncludeUsage != tc.includeUsage {
+				t.Fatalf("ParseRequest = %+v, %v; want model %q, stream %v, include_usage %v", req, err, tc.model, tc.stream, tc.includeUsage)
+			}
+		})
+	}
+}
+
+// TestBudget: the budget charged, with the handler's default of 1024.
+func TestBudget(t *testing.T) {
+	for _, tc := range []struct {
+		body       string
+		budget     int64
+		cost       int64 // with a prompt of "abcd": 1
+		maxTokens  int64
+		defaultMax int64
+	}{
+		{`{"prompt":"abcd"}`, 1024, 1025, -1, 1024},
+		{`{"prompt":"abcd","max_tokens":null}`, 1024, 1025, -1, 1024},
+		{`{"prompt":"abcd","max_tokens":5}`, 5, 6, 5, 1024},
+		{`{"prompt":"abcd","max_tokens":0}`, 0, 1, 0, 1024},
+		// The provider may read the null (the last one wins) and apply its
+		// own default: the larger of 5 and the default.
+		{`{"prompt":"abcd","max_tokens":5,"max_tokens":null}`, 1024, 1025, 5, 1024},
+		{`{"prompt":"abcd","max_tokens":null,"max_tokens":5}`, 1024, 1025, 5, 1024},
+		{`{"prompt":"abcd","max_tokens":5000,"max_tokens":null}`, 5000, 5001, 5000, 1024},
+		// Another budget member is a number for sure: no default.
+		{`{"prompt":"abcd","max_tokens":5,"max_completion_tokens":null}`, 5, 6, 5, 1024},
+		{`{"prompt":"abcd","max_tokens":5,"max_tokens":null,"max_output_tokens":3}`, 5, 6, 5, 1024},
+		{`{"prompt":"abcd","max_tokens":9007199254740991}`, MaxCost, MaxCost, MaxCost, 1024},
+	} {
+		req, err := ParseRequest([]byte(tc.body), nil)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.body, err)
+		}
+		if req.MaxTokens != tc.maxTokens || req.Budget(tc.defaultMax) != tc.budget || req.Cost(tc.defaultMax) != tc.cost {
+			t.Errorf("%s: MaxTokens %d, Budget %d, Cost %d; want %d, %d, %d",
+				tc.body, req.MaxTokens, req.Budget(tc.defaultMax), req.Cost(tc.defaultMax), tc.maxTokens, tc.budget, tc.cost)
+		}
+	}
+}
+
+// nest returns a body whose messages content nests parts depth levels
+// below the top-level object: {"messages":[{"content":[{"content":...
+func nest(depth int, leaf string) string {
+	// Levels: 1 the object, 2 messages, 3 the message, then 2 per level of
+	// content (array, part).
+	var b strings.Builder
+	b.WriteString(`{"messages":[{"content":`)
+	n := 3
+	for ; n+2 <= depth; n += 2 {
+		b.WriteString(`[{"content":`)
+	}
+	closes := strings.Repeat("}]", (n-3)/2)
+	if n < depth { // one level left: an array
+		b.WriteString(`[` + leaf + `]`)
+	} else {
+		b.WriteString(leaf)
+	}
+	b.WriteString(closes + `}]}`)
+	return b.String()
+}
+
+// TestDepthBound: MaxDepth levels are fine, one more is invalid, wherever
+// the nesting is: in counted content, in JSON text, in skipped members.
+func TestDepthBound(t *testing.T) {
+	for _, depth := range []int{MaxDepth - 1, MaxDepth, MaxDepth + 1, 10 * MaxDepth} {
+		for name, body := range map[string]string{
+			"content": nest(depth, `"abcd"`),
+			"tools":   `{"tools":` + strings.Repeat(`[`, depth-1) + strings.Repeat(`]`, depth-1) + `}`,
+			"skipped": `{"metadata":` + strings.Repeat(`{"a":`, depth-1) + `1` + strings.Repeat(`}`, depth-1) + `}`,
+			"input":   `{"input":` + strings.Repeat(`[`, depth-1) + `1` + strings.Repeat(`]`, depth-1) + `}`,
+		} {
+			req, err := ParseRequest([]byte(body), nil)
+			if depth <= MaxDepth && err != nil {
+				t.Errorf("%s at depth %d: %v", name, depth, err)
+			}
+			if depth > MaxDepth && !errors.Is(err, ErrInvalidBody) {
+				t.Errorf("%s at depth %d: %+v, %v; want ErrInvalidBody", name, depth, req, err)
+			}
+		}
+	}
+	// The content at depth MaxDepth is counted.
+	if req, err := ParseRequest([]byte(nest(MaxDepth, `"abcdefgh"`)), nil); err != nil || req.PromptTokens != 2 {
+		t.Errorf("content at depth %d: %d, %v; want 2", MaxDepth, req.PromptTokens, err)
+	}
+}
+
+// TestDeepNestingAllocs: allocations do not grow with depth. The old
+// estimator re-parsed each level, quadratic in depth.
+func TestDeepNestingAllocs(t *testing.T) {
+	allocs := func(depth int) float64 {
+		body := []byte(nest(depth, `"abcd"`))
+		if _, err := ParseRequest(body, nil); err != nil {
+			t.Fatal(err)
+		}
+		return testing.AllocsPerRun(100, func() { _, _ = ParseRequest(body, nil) })
+	}
+	shallow, deep := allocs(5), allocs(MaxDepth)
+	if shallow > 4 || deep > 4 {
+		t.Errorf("allocations per parse: %.0f at depth 5, %.0f at depth %d; want at most 4", shallow, deep, MaxDepth)
+	}
+	t.Logf("allocations per parse: %.0f at depth 5, %.0f at depth %d", shallow, deep, MaxDepth)
+}
+
+// TestParseRequestLeavesBodyAlone: the body is neither modified nor
+// needed after the call.
+func TestParseRequestLeavesBodyAlone(t *testing.T) {
+	const body = `{"model":"m","messages":[{"content":"h\u00e9llo"}],"tools":[{"a":1}],"max_tokens":3}`
+	b := []byte(body)
+	req, err := ParseRequest(b, nil)
+	if err != nil || string(b) != body {
+		t.Fatalf("body after the parse: %q, %v", b, err)
+	}
+	copy(b, strings.Repeat("x", len(b)))
+	if req.Model != "m" {
+		t.Errorf("Model %q depends on the body", req.Model)
+	}
+}
+
+func TestParseTokenizer(t *testing.T) {
+	for _, name := range []string{"", Approx, O200kBase, Cl100kBase} {
+		tok, err := ParseTokenizer(name)
+		if err != nil {
+			t.Fatalf("%q: %v", name, err)
+		}
+		want := name
+		if name == "" {
+			want = Approx
+		}
+		if tok.Name() != want {
+			t.Errorf("%q: Name %q", name, tok.Name())
+		}
+	}
+	a, _ := ParseTokenizer(O200kBase)
+	b, _ := ParseTokenizer(O200kBase)
+	if a != b {
+		t.Error("o200k_base built twice")
+	}
+	_, err := ParseTokenizer("O200K_BASE")
+	if err == nil || !strings.Contains(err.Error(), `"O200K_BASE"`) || !strings.Contains(err.Error(), "approx, o200k_base or cl100k_base") {
+		t.Errorf("unknown name: %v", err)
+	}
+}
+
+func TestTokenizerCount(t *testing.T) {
+	o, _ := ParseTokenizer(O200kBase)
+	c, _ := ParseTokenizer(Cl100kBase)
+	for _, tc := range []struct {
+		text                  string
+		approx, o200k, cl100k int64
+	}{
+		{"", 0, 0, 0},
+		{"hello world", 3, 2, 2},
+		{"日本語のテキストです", 8, 7, 9},
+		{"\xff\xfeabc", 2, 2, 2}, // invalid UTF-8: one U+FFFD for the BPEs
+	} {
+		if got := (approxTokenizer{}).Count([]byte(tc.text)); got != tc.approx {
+			t.Errorf("approx %q = %d, want %d", tc.text, got, tc.approx)
+		}
+		if got := o.Count([]byte(tc.text)); got != tc.o200k {
+			t.Errorf("o200k_base %q = %d, want %d", tc.text, got, tc.o200k)
+		}
+		if got := c.Count([]byte(tc.text)); got != tc.cl100k {
+			t.Errorf("cl100k_base %q = %d, want %d", tc.text, got, tc.cl100k)
+		}
+	}
+}
+
+// TestTokenizerConcurrent: one shared encoder counts right from many
+// goroutines at once (run with -race).
+func TestTokenizerConcurrent(t *testing.T) {
+	o, _ := ParseTokenizer(O200kBase)
+	body := []byte(`{"messages":[{"role":"user","content":"The quick brown fox jumps over the lazy dog."}]}`)
+	done := make(chan int64)
+	for range 8 {
+		go func() {
+			var n int64
+			for range 50 {
+				req, _ := ParseRequest(body, o)
+				n += req.PromptTokens
+			}
+			done <- n
+		}()
+	}
+	for range 8 {
+		if n := <-done; n != 50*10 {
+			t.Errorf("a goroutine counted %d, want %d", n, 50*10)
+		}
+	}
+}
+
+// TestBPECuts: ordinary text, words and indented code included, counts
+// exactly as the tokenizer library counts it; runs past the cut lengths
+// count the sum of their cut pieces.
+func TestBPECuts(t *testing.T) {
+	for _, name := range []string{O200kBase, Cl100kBase} {
+		tok, _ := ParseTokenizer(name)
+		b := tok.(*bpe)
+		code := strings.Repeat("func f() {\n\tif x {\n\t\treturn   y // done\n\t}\n}\n\n", 50)
+		for _, text := range []string{prose(5000, 3), code, strings.Repeat(" ", maxSpaceRun) + "x" + strings.Repeat("a", maxWordRun-1)} {
+			if got, want := b.Count([]byte(text)), b.count(text); got != want {
+				t.Errorf("%s: %d tokens, the library counts %d", name, got, want)
+			}
+		}
+		spaces := strings.Repeat(" \n", maxSpaceRun) // two runs of 64 bytes
+		if got, want := b.Count([]byte("a"+spaces+"b")), b.count("a"+spaces[:maxSpaceRun])+b.count(spaces[maxSpaceRun:]+"b"); got != want {
+			t.Errorf("%s: a long whitespace run counts %d, want %d", name, got, want)
+		}
+		word := strings.Repeat("x", 2*maxWordRun+1)
+		if got, want := b.Count([]byte(word)), 2*b.count(word[:maxWordRun])+b.count("x"); got != want {
+			t.Errorf("%s: a long word counts %d, want %d", name, got, want)
+		}
+	}
+}
