@@ -365,7 +365,7 @@ var caddyfileErrorCases = []struct {
 	{"redis password with two arguments", "redis {\npassword hunter2 extra\n}\n" + limitCase("user 10 1/s"), `password: wrong argument count 2, want one value`},
 	{"redis tls with an argument", "redis {\ntls yes\n}\n" + limitCase("user 10 1/s"), `tls ["yes"]: wrong argument count, want no arguments`},
 	{"redis address without argument", "redis {\naddress\n}\n" + limitCase("user 10 1/s"), `address []: wrong argument count`},
-	{"redis pool_size zero", "redis {\npool_size 0\n}\n" + limitCase("user 10 1/s"), `invalid redis pool_size "0": must be a whole number`},
+	{"redis pool_size negative", "redis {\npool_size -1\n}\n" + limitCase("user 10 1/s"), `invalid redis pool_size "-1": must be a whole number ≥ 0 (0: the default)`},
 	{"redis two addresses without cluster", "redis {\naddress 127.0.0.1:1 127.0.0.1:2\n}\n" + limitCase("user 10 1/s"),
 		`redis.address ["127.0.0.1:1" "127.0.0.1:2"]: one address for a single server (or set cluster or sentinel)`},
 	{"redis cluster and sentinel", "redis {\naddress 127.0.0.1:1\ncluster\nsentinel mymaster\n}\n" + limitCase("user 10 1/s"),
@@ -648,7 +648,9 @@ func TestDeniedRequestChargesNoBucket(t *testing.T) {
 	}
 	wantHeaders(t, "denial", r.header,
 		"RateLimit-Policy", `"user";q=2;w=7200, "ip";q=100;w=360000`,
-		"RateLimit", `"user";r=0;t=3600, "ip";r=98;t=7200`,
+		// A denial's RateLimit speaks of the denying buckets, as the deny
+		// cache's does; the policy lists every applied bucket.
+		"RateLimit", `"user";r=0;t=3600`,
 		"X-RateLimit-Limit", "2",
 		"X-RateLimit-Remaining", "0",
 		"X-RateLimit-Reset", "3600")
@@ -674,7 +676,8 @@ func TestCostAboveCapacity(t *testing.T) {
 			"Retry-After", "",
 			"Retry-After-Ms", "",
 			"Cache-Control", "no-store",
-			"RateLimit", `"user";r=100;t=0, "user-tokens";r=10;t=0`,
+			"RateLimit", `"user-tokens";r=10;t=0`,
+			"X-Should-Retry", "false",
 			"X-RateLimit-Limit", "10",
 			"X-RateLimit-Remaining", "10")
 	}
@@ -989,7 +992,13 @@ func TestOnDenyErrorUsesHandleErrors(t *testing.T) {
 		"X-RateLimit-Limit", "1",
 		"X-RateLimit-Remaining", "0",
 		"X-RateLimit-Reset", "3600")
+	// A client already denied by its requests limit is answered 429 before
+	// its cost is read; a fresh one gets the 400.
 	r = g.get("X-User", "alice", "X-Cost", "abc")
+	if r.status != http.StatusTooManyRequests || r.body != "429 free denied" {
+		t.Errorf("invalid cost while denied: %d %q, want 429 \"429 free denied\"", r.status, r.body)
+	}
+	r = g.get("X-User", "bob", "X-Cost", "abc")
 	if r.status != http.StatusBadRequest || r.body != "400 free invalid_cost" {
 		t.Errorf("invalid cost: %d %q, want 400 \"400 free invalid_cost\"", r.status, r.body)
 	}

@@ -62,12 +62,19 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //
 //		cost           <integer | placeholder>
 //		cost estimate {
-//			max_body           <size>      # default 1MiB
+//			max_body           <size>      # default 1MiB, at most 1GiB
 //			default_max_tokens <n>         # default 1024
 //			on_invalid         reject|<n>  # default reject: 400 invalid_body
+//			tokenizer          approx|o200k_base|cl100k_base  # default approx
+//			read_timeout       <duration>  # default 10s
 //		}
 //		settle [header <name>]
+//		settle {
+//			include_usage
+//			header <name>
+//		}
 //		openai_headers
+//		error_format   json|openai|anthropic
 //		demote [<dimension>] after <n> denials within <duration> to tier <name> for <duration>
 //		on_redis_error local|allow|deny
 //		local_buckets  <n>
@@ -113,7 +120,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			h.OpenAIHeaders = true
-		case "key_prefix", "key_secret", "tier_from", "default_tier", "on_redis_error", "on_deny":
+		case "key_prefix", "key_secret", "tier_from", "default_tier", "on_redis_error", "on_deny", "error_format":
 			var v string
 			if v, err = oneArg(d); err == nil {
 				*h.stringField(dir) = v
@@ -169,6 +176,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		max_body           <size>
 //		default_max_tokens <n>
 //		on_invalid         reject | <cost>
+//		tokenizer          approx | o200k_base | cl100k_base
+//		read_timeout       <duration>
 //	}
 func (h *Handler) unmarshalCost(d *caddyfile.Dispenser) error {
 	v, err := oneArgOrBlock(d)
@@ -184,8 +193,13 @@ func (h *Handler) unmarshalCost(d *caddyfile.Dispenser) error {
 	}
 	e := &Estimate{}
 	h.Estimate = e
+	seen := map[string]bool{}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		opt := d.Val()
+		if seen[opt] {
+			return d.Errf("duplicate estimate option %q", opt)
+		}
+		seen[opt] = true
 		arg, err := oneArg(d)
 		if err != nil {
 			return err
@@ -193,14 +207,14 @@ func (h *Handler) unmarshalCost(d *caddyfile.Dispenser) error {
 		switch opt {
 		case "max_body":
 			size, err := humanize.ParseBytes(arg)
-			if err != nil || size == 0 || size > 1<<30 {
+			if err != nil || size == 0 || size > MaxEstimateBody {
 				return d.Errf("invalid estimate max_body %q: must be a size from 1B to 1GiB", arg)
 			}
 			e.MaxBody = int64(size)
 		case "default_max_tokens":
 			n, err := parseCost(arg)
 			if err != nil || n == 0 {
-				return d.Errf("invalid estimate default_max_tokens %q: %v", arg, errInvalidCost)
+				return d.Errf("invalid estimate default_max_tokens %q: must be an integer from 1 to %d", arg, int64(MaxCost))
 			}
 			e.DefaultMaxTokens = n
 		case "on_invalid":
@@ -211,6 +225,14 @@ func (h *Handler) unmarshalCost(d *caddyfile.Dispenser) error {
 				}
 			}
 			e.OnInvalid = &n
+		case "tokenizer":
+			e.Tokenizer = arg
+		case "read_timeout":
+			dur, err := caddy.ParseDuration(arg)
+			if err != nil || dur <= 0 {
+				return d.Errf("invalid estimate read_timeout %q: must be a duration > 0", arg)
+			}
+			e.ReadTimeout = caddy.Duration(dur)
 		default:
 			return d.Errf("unknown estimate option %q", opt)
 		}
@@ -247,7 +269,12 @@ func (h *Handler) unmarshalDemote(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-// unmarshalSettle reads settle [header <name>].
+// unmarshalSettle reads settle [header <name>] or
+//
+//	settle {
+//		include_usage
+//		header <name>
+//	}
 func (h *Handler) unmarshalSettle(d *caddyfile.Dispenser) error {
 	args := d.RemainingArgs()
 	h.Settle = &Settle{}
@@ -256,7 +283,30 @@ func (h *Handler) unmarshalSettle(d *caddyfile.Dispenser) error {
 	case len(args) == 2 && args[0] == "header":
 		h.Settle.Header = args[1]
 	default:
-		return d.Errf("invalid settle %q: settle, or settle header <name>", args)
+		return d.Errf("invalid settle %q: settle, settle header <name>, or a settle block", args)
+	}
+	seen := map[string]bool{}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		opt := d.Val()
+		if seen[opt] || (opt == "header" && h.Settle.Header != "") {
+			return d.Errf("duplicate settle option %q", opt)
+		}
+		seen[opt] = true
+		switch opt {
+		case "include_usage":
+			if args := d.RemainingArgs(); len(args) > 0 {
+				return argErr(d, opt, args, "no arguments")
+			}
+			h.Settle.IncludeUsage = true
+		case "header":
+			v, err := oneArg(d)
+			if err != nil {
+				return err
+			}
+			h.Settle.Header = v
+		default:
+			return d.Errf("unknown settle option %q", opt)
+		}
 	}
 	return nil
 }
@@ -285,9 +335,12 @@ func (h *Handler) stringField(name string) *string {
 		return &h.DefaultTier
 	case "on_redis_error":
 		return &h.OnRedisError
-	default:
+	case "on_deny":
 		return &h.OnDeny
+	case "error_format":
+		return &h.ErrorFormat
 	}
+	panic("stringField: no field " + name)
 }
 
 func (h *Handler) unmarshalInt(d *caddyfile.Dispenser, name string) error {
@@ -350,8 +403,8 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 				return err
 			}
 			n, err := strconv.Atoi(v)
-			if err != nil || n < 0 || (n == 0 && opt != "db") {
-				return d.Errf("invalid redis %s %q: must be a whole number", opt, v)
+			if err != nil || n < 0 {
+				return d.Errf("invalid redis %s %q: must be a whole number ≥ 0 (0: the default)", opt, v)
 			}
 			switch opt {
 			case "db":

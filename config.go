@@ -1,6 +1,7 @@
 package tokenbucket
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"regexp"
@@ -135,6 +136,9 @@ func (h *Handler) validate() error {
 	if h.Settle != nil && strings.ContainsAny(h.Settle.Header, " :\r\n") {
 		return fmt.Errorf("settle.header %q: not a header name", h.Settle.Header)
 	}
+	if h.Settle != nil && h.Settle.IncludeUsage && h.Estimate == nil {
+		return errors.New("settle.include_usage needs estimate (cost estimate), which reads the request body it adds stream_options to")
+	}
 	if _, err := staticCost(h.Cost); err != nil {
 		return fmt.Errorf("cost %q: %v", h.Cost, err)
 	}
@@ -147,6 +151,11 @@ func (h *Handler) validate() error {
 	case "", DenyRespond, DenyError:
 	default:
 		return fmt.Errorf("on_deny %q: must be respond or error", h.OnDeny)
+	}
+	switch h.ErrorFormat {
+	case "", FormatJSON, FormatOpenAI, FormatAnthropic:
+	default:
+		return fmt.Errorf("error_format %q: must be json, openai or anthropic", h.ErrorFormat)
 	}
 	if math.IsNaN(h.LocalShare) || h.LocalShare < 0 || h.LocalShare > 1 {
 		return fmt.Errorf("local_share %v: must be a fraction > 0 and ≤ 1", h.LocalShare)

@@ -132,7 +132,8 @@ func TestEstimateTable(t *testing.T) {
 			} else {
 				req = httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(tc.body))
 			}
-			got, err := e.estimate(req)
+			est, err := e.estimate(httptest.NewRecorder(), req)
+			got := est.prompt + est.completion
 			switch {
 			case tc.want < 0 && !errors.Is(err, errInvalidBody):
 				t.Errorf("estimate = %d, %v; want errInvalidBody", got, err)
@@ -156,7 +157,7 @@ func TestEstimateTable(t *testing.T) {
 func TestEstimateOversizedBodyReadsBackWhole(t *testing.T) {
 	body := bytes.Repeat([]byte("0123456789abcdef"), 1<<16) // 1 MiB
 	req := httptest.NewRequest(http.MethodPost, "/", bytes.NewReader(body))
-	if _, err := (&Estimate{MaxBody: 1000}).estimate(req); !errors.Is(err, errInvalidBody) {
+	if _, err := (&Estimate{MaxBody: 1000}).estimate(httptest.NewRecorder(), req); !errors.Is(err, errInvalidBody) {
 		t.Fatalf("err %v, want errInvalidBody", err)
 	}
 	got, err := io.ReadAll(req.Body)
@@ -274,7 +275,7 @@ func BenchmarkEstimate(b *testing.B) {
 		b.ReportAllocs()
 		b.SetBytes(int64(len(chatBody2K)))
 		for b.Loop() {
-			if _, ok := estimateTokens(chatBody2K, DefaultEstimateMaxTokens); !ok {
+			if _, _, ok := estimateTokens(chatBody2K, DefaultEstimateMaxTokens); !ok {
 				b.Fatal("invalid")
 			}
 		}
@@ -285,7 +286,7 @@ func BenchmarkEstimate(b *testing.B) {
 		b.SetBytes(int64(len(chatBody2K)))
 		for b.Loop() {
 			req := &http.Request{Body: io.NopCloser(bytes.NewReader(chatBody2K))}
-			if _, err := e.estimate(req); err != nil {
+			if _, err := e.estimate(httptest.NewRecorder(), req); err != nil {
 				b.Fatal(err)
 			}
 		}

@@ -105,8 +105,19 @@ type Handler struct {
 	// x-ratelimit-limit-requests, x-ratelimit-remaining-requests,
 	// x-ratelimit-reset-requests and the same three for -tokens (reset as a
 	// duration such as "6m0s"), for the most constrained bucket of each
-	// unit; and x-should-retry: false when a cost can never fit.
+	// unit. (x-should-retry: false on a cost that can never fit is sent
+	// whatever this says.)
 	OpenAIHeaders bool `json:"openai_headers,omitempty"`
+
+	// ErrorFormat is the shape of the JSON bodies of this handler's 429,
+	// 400, 408 and 503 answers: "json" (the default; this handler's own,
+	// see README), "openai" ({"error":{"message","type","param","code"}},
+	// as OpenAI's API, so that the openai SDKs read error.code
+	// "rate_limit_exceeded" and error.type "requests" or "tokens") or
+	// "anthropic" ({"type":"error","error":{"type":"rate_limit_error",
+	// "message"}}, as Anthropic's API). Messages name the limit, the wait
+	// and the tier, never an identity.
+	ErrorFormat string `json:"error_format,omitempty"`
 
 	// Demote moves an identity that keeps hammering while limited to a
 	// stricter tier for a while. See Demote.
@@ -249,23 +260,34 @@ func (h *Handler) Cleanup() error {
 
 // ServeHTTP decides the request's buckets and either calls next or denies.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	// A config reload may drop this handler's Redis client while the
+	// request, its stream and its settlement go on: keep it open till then.
+	if h.conn.hold() {
+		defer h.conn.release()
+	}
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	t := h.resolveTier(repl)
 	repl.Set("http.token_bucket.tier", t.nameValue)
 
-	in := inputs{r: r, repl: repl}
-	req, err := h.buildRequest(&in, t)
-	if err != nil {
-		return h.rejectInput(w, repl, t, err)
-	}
+	in := inputs{w: w, r: r, repl: repl}
+	req := h.bucketsOf(&in, t)
 	if len(req.takes) == 0 {
 		h.metrics.count(t, outcomeSkipped, false)
 		repl.Set("http.token_bucket.decision", "allowed")
 		return next.ServeHTTP(w, r)
 	}
-
+	// A requests limit known to deny answers before the body is read: a
+	// client retrying in a loop costs no parsing.
 	if h.denials != nil {
-		if sub, d, ok := h.cachedDenial(req); ok {
+		if sub, d, ok := h.cachedDenial(req, false); ok {
+			return h.denied(w, r, repl, t, req.limits, sub, &d)
+		}
+	}
+	if err := h.price(&in, req); err != nil {
+		return h.rejectInput(w, repl, t, err)
+	}
+	if h.denials != nil && req.hasTokens() {
+		if sub, d, ok := h.cachedDenial(req, true); ok {
 			// RateLimit and X-RateLimit-* speak of the buckets known to
 			// deny; RateLimit-Policy still lists every applied bucket.
 			return h.denied(w, r, repl, t, req.limits, sub, &d)

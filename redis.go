@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -67,11 +68,11 @@ type RedisConfig struct {
 	// Timeout is the budget of one limiter call: dial, write and read
 	// (default 50ms). When it runs out, on_redis_error decides.
 	Timeout caddy.Duration `json:"timeout,omitempty"`
-	// PoolSize is the most connections to keep per node (default:
-	// go-redis's, 10 per CPU).
+	// PoolSize is the most connections to keep per node, ≥ 0 (default and
+	// 0: go-redis's, 10 per CPU).
 	PoolSize int `json:"pool_size,omitempty"`
 	// BreakerFailures is how many limiter calls in a row must fail before
-	// the circuit breaker opens (default 5). While it is open, no request
+	// the circuit breaker opens, ≥ 0 (default and 0: 5). While it is open, no request
 	// waits on Redis: on_redis_error decides at once.
 	BreakerFailures int `json:"breaker_failures,omitempty"`
 	// BreakerCooldown is how long the breaker stays open before it lets one
@@ -102,9 +103,9 @@ func (c *RedisConfig) validate() error {
 	case c.Timeout < 0:
 		return fmt.Errorf("redis.timeout %v: must be > 0", time.Duration(c.Timeout))
 	case c.PoolSize < 0:
-		return fmt.Errorf("redis.pool_size %d: must be > 0", c.PoolSize)
+		return fmt.Errorf("redis.pool_size %d: must be ≥ 0 (0: go-redis's default, 10 per CPU)", c.PoolSize)
 	case c.BreakerFailures < 0:
-		return fmt.Errorf("redis.breaker_failures %d: must be > 0", c.BreakerFailures)
+		return fmt.Errorf("redis.breaker_failures %d: must be ≥ 0 (0: the default, %d)", c.BreakerFailures, DefaultBreakerFailures)
 	case c.BreakerCooldown < 0:
 		return fmt.Errorf("redis.breaker_cooldown %v: must be > 0", time.Duration(c.BreakerCooldown))
 	}
@@ -248,10 +249,43 @@ type conn struct {
 	store   store
 	breaker *gobreaker.CircuitBreaker[bucket.Decision]
 	timeout time.Duration
+	// users counts what holds the client: 1 for the pool while any handler
+	// has this configuration, plus 1 per request under way. The client is
+	// closed when it falls to 0, so a config reload that drops this
+	// configuration never closes the client under a decision or a
+	// settlement that started before it (a stream can outlive its config
+	// by minutes).
+	users atomic.Int64
 }
 
-// Destruct closes the client when the last handler using it is cleaned up.
-func (c *conn) Destruct() error { return c.client.Close() }
+// hold counts a request as a user of the client; it returns false when the
+// client is closed already, and then the request must not release.
+func (c *conn) hold() bool {
+	for {
+		n := c.users.Load()
+		if n <= 0 {
+			return false
+		}
+		if c.users.CompareAndSwap(n, n+1) {
+			return true
+		}
+	}
+}
+
+// release ends a use of the client; the last one closes it.
+func (c *conn) release() {
+	if c.users.Add(-1) == 0 {
+		_ = c.client.Close()
+	}
+}
+
+// Destruct drops the pool's hold when the last handler using this
+// configuration is cleaned up; requests under way keep the client open
+// until they end.
+func (c *conn) Destruct() error {
+	c.release()
+	return nil
+}
 
 // conns shares one conn per distinct Redis configuration.
 var conns = caddy.NewUsagePool()
@@ -270,6 +304,7 @@ func acquire(r *resolved, logger *zap.Logger) (*conn, string, error) {
 
 func newConn(r *resolved, logger *zap.Logger) *conn {
 	c := &conn{timeout: r.timeout()}
+	c.users.Store(1)
 	switch {
 	case r.cluster:
 		cc := redis.NewClusterClient(r.opt.Cluster())

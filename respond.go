@@ -13,9 +13,13 @@ import (
 )
 
 // addHeaders adds to hs the rate-limit headers of a decision made by
-// Redis: RateLimit-Policy and RateLimit (draft-ietf-httpapi-ratelimit-
-// headers), one item per bucket, and X-RateLimit-Limit/Remaining/Reset for
-// the most constrained bucket. It appends their text to b and returns it;
+// Redis or the deny cache: RateLimit-Policy and RateLimit (draft-ietf-
+// httpapi-ratelimit-headers), and X-RateLimit-Limit/Remaining/Reset for the
+// most constrained bucket. RateLimit has one item per bucket when allowed
+// and one per denying bucket when denied, so that a denial by Redis and the
+// same denial from the deny cache, which knows only the denying buckets,
+// carry the same items. Their integers are RFC 9651 Integers, at most 15
+// digits: see sfInteger. It appends their text to b and returns it;
 // writeHeaders or deny sets them.
 //
 // policy lists the buckets for RateLimit-Policy: every applied bucket, also
@@ -28,17 +32,22 @@ func (h *Handler) addHeaders(hs *headerSet, b []byte, t *tier, policy, limits []
 		b = appendPolicy(b, policy)
 		hs.cut("Ratelimit-Policy", b)
 	}
+	first := true
 	for i, l := range limits {
-		if i > 0 {
+		r := &d.Buckets[i]
+		if !d.Allowed && r.Reason == bucket.Allowed {
+			continue // a denial speaks of the buckets that deny
+		}
+		if !first {
 			b = append(b, ", "...)
 		}
-		r := &d.Buckets[i]
+		first = false
 		b = append(b, '"')
 		b = append(b, l.name...)
 		b = append(b, `";r=`...)
-		b = strconv.AppendInt(b, max(0, r.Remaining), 10)
+		b = strconv.AppendInt(b, sfInteger(max(0, r.Remaining)), 10)
 		b = append(b, ";t="...)
-		b = strconv.AppendInt(b, resetSeconds(r), 10)
+		b = strconv.AppendInt(b, sfInteger(resetSeconds(r)), 10)
 	}
 	hs.cut("Ratelimit", b)
 
@@ -72,9 +81,8 @@ var openAINames = [2][3]string{
 
 // appendOpenAIHeaders adds x-ratelimit-{limit,remaining,reset}-{requests,
 // tokens} for the most constrained bucket of each unit, as OpenAI's API
-// sends them (reset as a Go duration such as "6m0s"), and x-should-retry:
-// false when a cost can never fit. It appends the numbers to b and returns
-// it.
+// sends them (reset as a Go duration such as "6m0s"). It appends the
+// numbers to b and returns it.
 func appendOpenAIHeaders(hs *headerSet, b []byte, limits []*limit, d *bucket.Decision) []byte {
 	for u, unit := range [2]bool{false, true} {
 		best := mostConstrained(limits, d, unit)
@@ -91,9 +99,6 @@ func appendOpenAIHeaders(hs *headerSet, b []byte, limits []*limit, d *bucket.Dec
 		b = strconv.AppendInt(b, max(0, r.Remaining), 10)
 		hs.cut(openAINames[u][1], b)
 		hs.add(openAINames[u][2], (time.Duration(reset) * time.Millisecond).String())
-	}
-	if d.Reason == bucket.CostExceedsCapacity {
-		hs.add("X-Should-Retry", "false")
 	}
 	return b
 }
@@ -200,6 +205,17 @@ func (s *headerSet) setIn(hdr http.Header, buf []byte) {
 	}
 }
 
+// maxSFInteger is the largest Integer of a structured field: RFC 9651
+// section 3.3.1 allows at most 15 decimal digits.
+const maxSFInteger = 999_999_999_999_999
+
+// sfInteger clamps n, ≥ 0, to a structured-field Integer. Capacities go up
+// to 2^53 − 1 (16 digits) and a window or wait can be longer still; a
+// larger number would make the whole RateLimit or RateLimit-Policy field
+// unparsable, so it is sent as 999999999999999, still more than any client
+// will wait for or spend.
+func sfInteger(n int64) int64 { return min(n, maxSFInteger) }
+
 // resetSeconds is a bucket's t: the seconds until it can serve the request
 // when it denies, else until it is full again; rounded up.
 func resetSeconds(b *bucket.Result) int64 {
@@ -241,8 +257,10 @@ func setPlaceholders(repl *caddy.Replacer, limits []*limit, d *bucket.Decision) 
 }
 
 // deny answers a denied request: 429 with Retry-After, retry-after-ms and a
-// JSON body, or a Caddy error for handle_errors when on_deny is "error". It
-// sets the headers in hs (with their text in b) with its own.
+// JSON body in the error_format, or a Caddy error for handle_errors when
+// on_deny is "error". A cost that can never fit carries x-should-retry:
+// false, which the OpenAI and Anthropic SDKs obey instead of retrying
+// twice. It sets the headers in hs (with their text in b) with its own.
 func (h *Handler) deny(w http.ResponseWriter, t *tier, req *request, d *bucket.Decision, hs *headerSet, b []byte) error {
 	hs.add("Cache-Control", "no-store")
 	if d.Reason == bucket.RateLimited {
@@ -250,12 +268,20 @@ func (h *Handler) deny(w http.ResponseWriter, t *tier, req *request, d *bucket.D
 		hs.cut("Retry-After", b)
 		b = strconv.AppendInt(b, d.RetryAfterMS, 10)
 		hs.cut("Retry-After-Ms", b)
+	} else {
+		hs.add("X-Should-Retry", "false")
 	}
 	if h.OnDeny == DenyError {
 		hs.setIn(w.Header(), b)
 		return caddyhttp.Error(http.StatusTooManyRequests, errDenied)
 	}
-	body := denyBody(t, req, d)
+	var body []byte
+	if h.ErrorFormat == FormatOpenAI || h.ErrorFormat == FormatAnthropic {
+		e := denialError(t, req, d)
+		body = appendErrorBody(make([]byte, 0, 256), h.ErrorFormat, &e)
+	} else {
+		body = denyBody(t, req, d)
+	}
 	hs.add("Content-Type", "application/json")
 	b = strconv.AppendInt(b, int64(len(body)), 10)
 	hs.cut("Content-Length", b)
@@ -263,7 +289,7 @@ func (h *Handler) deny(w http.ResponseWriter, t *tier, req *request, d *bucket.D
 	return writeBody(w, http.StatusTooManyRequests, body)
 }
 
-// denyBody returns the JSON body of a denial.
+// denyBody returns the body of a denial in the json format.
 func denyBody(t *tier, req *request, d *bucket.Decision) []byte {
 	l := req.limits[d.Deciding]
 	body := make([]byte, 0, 160)
@@ -293,37 +319,34 @@ func denyBody(t *tier, req *request, d *bucket.Decision) []byte {
 	return append(body, "}\n"...)
 }
 
-// The bodies of the 400 answers to a request whose cost or body cannot be
-// used.
-var (
-	invalidCostBody = []byte(`{"error":"invalid_cost","message":"the request's cost must be an integer from 0 to 9007199254740991"}` + "\n")
-	invalidBodyBody = []byte(`{"error":"invalid_body","message":"the request body must be a JSON chat or completion request within the size limit"}` + "\n")
-)
-
 // rejectInput answers a request whose tokens cost cannot be had: with
 // errInvalidBody, a body the estimator cannot read (not JSON, or larger than
-// estimate.max_body), 400 invalid_body; else a cost that is not an integer
-// from 0 to MaxCost, 400 invalid_cost. With on_deny error it returns a Caddy
-// error for handle_errors instead. The bad value is not echoed.
+// estimate.max_body), 400 invalid_body; with errBodyTimeout, a body that did
+// not arrive within estimate.read_timeout, 408 request_timeout; else a cost
+// that is not an integer from 0 to MaxCost, 400 invalid_cost. With on_deny
+// error it returns a Caddy error for handle_errors instead. The bad value
+// is not echoed.
 func (h *Handler) rejectInput(w http.ResponseWriter, repl *caddy.Replacer, t *tier, err error) error {
-	code, outcome, cause, body := "invalid_cost", outcomeInvalidCost, errInvalidCost, invalidCostBody
-	if err == errInvalidBody {
-		code, outcome, cause, body = "invalid_body", outcomeInvalidBody, errInvalidBody, invalidBodyBody
+	status, outcome, cause, e := http.StatusBadRequest, outcomeInvalidCost, errInvalidCost, &invalidCostError
+	switch err {
+	case errInvalidBody:
+		outcome, cause, e = outcomeInvalidBody, errInvalidBody, &invalidBodyError
+	case errBodyTimeout:
+		status, outcome, cause, e = http.StatusRequestTimeout, outcomeInvalidBody, errBodyTimeout, &bodyTimeoutError
 	}
 	h.metrics.count(t, outcome, false)
-	repl.Set("http.token_bucket.decision", code)
+	repl.Set("http.token_bucket.decision", e.code)
 	if h.OnDeny == DenyError {
-		return caddyhttp.Error(http.StatusBadRequest, cause)
+		return caddyhttp.Error(status, cause)
 	}
-	return writeJSON(w, http.StatusBadRequest, body)
+	return writeJSON(w, status, e.body(h.ErrorFormat))
 }
 
 // unavailable answers 503 for on_redis_error deny; never 429, which would
 // tell the client it was over a limit it may not be over.
 func (h *Handler) unavailable(w http.ResponseWriter) error {
 	w.Header()["Retry-After"] = []string{"1"}
-	return writeJSON(w, http.StatusServiceUnavailable,
-		[]byte(`{"error":"rate_limiter_unavailable","message":"the rate limiter cannot reach its store; retry shortly"}`+"\n"))
+	return writeJSON(w, http.StatusServiceUnavailable, unavailableError.body(h.ErrorFormat))
 }
 
 // writeJSON answers with status and a JSON body.

@@ -37,6 +37,15 @@ type Settle struct {
 	// Header names a response header that carries the total tokens used;
 	// when set, the body is not parsed.
 	Header string `json:"header,omitempty"`
+	// IncludeUsage makes OpenAI-style streams report their usage: a request
+	// with "stream": true that does not ask for usage reaches the upstream
+	// with "stream_options":{"include_usage":true} added (every other byte
+	// unchanged), and the client receives the stream it asked for: the
+	// usage-only final chunk ("choices":[]) and the "usage":null member of
+	// the other chunks are taken out. Without it such a stream reports no
+	// usage and settles at the estimate. Needs estimate, which reads the
+	// body.
+	IncludeUsage bool `json:"include_usage,omitempty"`
 }
 
 // usage is the usage object of OpenAI and Anthropic responses.

@@ -87,10 +87,10 @@ func localSpec(l Limit, spec bucket.Spec, share float64) bucket.Spec {
 
 // policyItem formats a RateLimit-Policy item (draft-ietf-httpapi-ratelimit-
 // headers): q is the capacity and w the seconds an empty bucket takes to
-// fill, rounded up.
+// fill, rounded up; both clamped to RFC 9651's 15 digits (sfInteger).
 func policyItem(name string, capacity int64, rate float64) string {
-	w := int64(math.Ceil(float64(capacity) / rate))
-	return `"` + name + `";q=` + strconv.FormatInt(capacity, 10) + ";w=" + strconv.FormatInt(max(w, 1), 10)
+	w := int64(max(1, min(math.Ceil(float64(capacity)/rate), maxSFInteger)))
+	return `"` + name + `";q=` + strconv.FormatInt(sfInteger(capacity), 10) + ";w=" + strconv.FormatInt(w, 10)
 }
 
 // resolveTier returns the request's tier: the one tier_from names, or the
@@ -108,10 +108,11 @@ func (h *Handler) resolveTier(repl *caddy.Replacer) *tier {
 
 // request is the buckets one request is decided on.
 type request struct {
-	keys    []string
-	takes   []bucket.Take
-	limits  []*limit
-	demoted bool // decided on a demotion's penalty tier, or demoted by this denial
+	keys      []string
+	takes     []bucket.Take
+	limits    []*limit
+	tokensCap int64 // the smallest capacity of its tokens limits; -1: none
+	demoted   bool  // decided on a demotion's penalty tier, or demoted by this denial
 }
 
 // requestOf1 and requestOf4 hold a request and the arrays its slices use,
@@ -147,14 +148,7 @@ func newRequest(n int) *request {
 }
 
 // hasTokens reports whether the request is charged in a "tokens" limit.
-func (r *request) hasTokens() bool {
-	for _, l := range r.limits {
-		if l.tokens {
-			return true
-		}
-	}
-	return false
-}
+func (r *request) hasTokens() bool { return r.tokensCap >= 0 }
 
 // localTakes returns the request's takes with the local_share specs.
 func (r *request) localTakes() []bucket.Take {
@@ -166,12 +160,16 @@ func (r *request) localTakes() []bucket.Take {
 }
 
 // cachedDenial answers from the deny cache: when any of the request's
-// buckets is known to deny its cost, it returns those buckets as a request
-// of their own with their decision.
-func (h *Handler) cachedDenial(req *request) (*request, bucket.Decision, bool) {
+// buckets of the unit asked for (tokens or requests) is known to deny its
+// cost, it returns those buckets as a request of their own with their
+// decision.
+func (h *Handler) cachedDenial(req *request, tokens bool) (*request, bucket.Decision, bool) {
 	var sub *request
 	var results []bucket.Result
 	for i, k := range req.keys {
+		if req.limits[i].tokens != tokens {
+			continue
+		}
 		wait, remaining, ok := h.denials.Check(k, req.takes[i].Cost)
 		if !ok {
 			continue
@@ -194,12 +192,14 @@ func (h *Handler) cachedDenial(req *request) (*request, bucket.Decision, bool) {
 // own, and a demotion's penalty tier): the identity of each dimension and
 // the cost of its tokens limits.
 type inputs struct {
+	w        http.ResponseWriter
 	r        *http.Request
 	repl     *caddy.Replacer
 	ids      [8]string // by dimension, the first 8; "" = skipped
 	resolved uint8     // bit i: ids[i] is resolved
-	cost     int64     // the tokens cost, once costSet
-	costSet  bool
+	est      tokenEstimate
+	cost     int64 // the cost template's value, once costSet
+	costSet  bool  // est or cost is set
 }
 
 // identity returns dimension i's identity (see Handler.identity), resolved
@@ -215,55 +215,82 @@ func (in *inputs) identity(h *Handler, i int) string {
 	return in.ids[i]
 }
 
-// tokensCost returns the cost of the request's tokens limits: the body
-// estimate with estimate, else the cost template, evaluated on first use
-// and set as {http.token_bucket.cost}; a static cost needs neither. It
-// fails with errInvalidBody or errInvalidCost.
-func (in *inputs) tokensCost(h *Handler) (int64, error) {
-	if in.costSet {
-		return in.cost, nil
-	}
-	var cost int64
-	var err error
-	switch {
-	case h.Estimate != nil:
-		cost, err = h.Estimate.estimate(in.r)
-	case h.cost < 0:
-		cost, err = parseCost(in.repl.ReplaceAll(h.Cost, ""))
-	default:
+// tokensCost returns the cost of the request's tokens limits when the
+// smallest of them holds capacity tokens: with estimate, the body's
+// estimate capped to capacity (see tokenEstimate.cost), else the cost
+// template; the body or template is read on first use. It sets
+// {http.token_bucket.cost}. A static cost needs neither. It fails with
+// errInvalidBody, errBodyTimeout or errInvalidCost.
+func (in *inputs) tokensCost(h *Handler, capacity int64) (int64, error) {
+	if h.Estimate == nil && h.cost >= 0 {
 		return h.cost, nil
 	}
-	if err != nil {
-		return 0, err
+	if !in.costSet {
+		var err error
+		if h.Estimate != nil {
+			in.est, err = h.Estimate.estimate(in.w, in.r)
+		} else {
+			in.cost, err = parseCost(in.repl.ReplaceAll(h.Cost, ""))
+		}
+		if err != nil {
+			return 0, err
+		}
+		in.costSet = true
+	}
+	cost := in.cost
+	if h.Estimate != nil {
+		cost = in.est.cost(capacity)
 	}
 	in.repl.Set("http.token_bucket.cost", cost)
-	in.cost, in.costSet = cost, true
 	return cost, nil
 }
 
-// buildRequest returns the buckets of tier t for the request of in: one
-// per limit whose identity is not empty. It fails only on an invalid cost
-// or body.
+// buildRequest returns the buckets of tier t for the request of in, priced:
+// see bucketsOf and price.
 func (h *Handler) buildRequest(in *inputs, t *tier) (*request, error) {
+	req := h.bucketsOf(in, t)
+	return req, h.price(in, req)
+}
+
+// bucketsOf returns the buckets of tier t for the request of in: one per
+// limit whose identity is not empty. Requests limits cost 1; tokens limits
+// are priced by price, so that a request already denied by a requests
+// limit is answered without reading its body.
+func (h *Handler) bucketsOf(in *inputs, t *tier) *request {
 	req := newRequest(len(t.limits))
+	req.tokensCap = -1
 	for i := range t.limits {
 		l := &t.limits[i]
 		id := in.identity(h, l.dim)
 		if id == "" {
 			continue
 		}
-		c := int64(1)
-		if l.tokens {
-			var err error
-			if c, err = in.tokensCost(h); err != nil {
-				return nil, err
-			}
+		if l.tokens && (req.tokensCap < 0 || l.spec.Capacity < req.tokensCap) {
+			req.tokensCap = l.spec.Capacity
 		}
 		req.keys = append(req.keys, h.keyer.Key(l.dimension, id, l.unit))
-		req.takes = append(req.takes, bucket.Take{Spec: l.spec, Cost: c})
+		req.takes = append(req.takes, bucket.Take{Spec: l.spec, Cost: 1})
 		req.limits = append(req.limits, l)
 	}
-	return req, nil
+	return req
+}
+
+// price sets the cost of req's tokens limits. It fails only on an invalid
+// cost or body.
+func (h *Handler) price(in *inputs, req *request) error {
+	if req.tokensCap < 0 {
+		return nil
+	}
+	c, err := in.tokensCost(h, req.tokensCap)
+	if err != nil {
+		return err
+	}
+	for i, l := range req.limits {
+		if l.tokens {
+			req.takes[i].Cost = c
+		}
+	}
+	return nil
 }
 
 // identity resolves dimension i's template; "" means the dimension is

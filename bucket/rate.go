@@ -96,12 +96,27 @@ func (r Rate) String() string {
 // that fits in 64 bits needs more.
 var decimalRE = regexp.MustCompile(`^-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]{1,3})?$`)
 
+// The range of a Rate: num and den fit in an int64.
+var (
+	maxRate = new(big.Rat).SetInt64(math.MaxInt64)
+	minRate = big.NewRat(1, math.MaxInt64)
+)
+
+// rateFromRat returns q as a Rate. Its errors state the range and leave the
+// value to the caller, which has it as written (a rate such as 1e400 would
+// otherwise fill the message with its digits).
 func rateFromRat(q *big.Rat) (Rate, error) {
 	if q.Sign() <= 0 {
 		return Rate{}, errors.New("refill rate must be > 0")
 	}
 	if !q.Num().IsInt64() || !q.Denom().IsInt64() {
-		return Rate{}, fmt.Errorf("refill rate %s is too fine-grained to hold exactly", q.RatString())
+		switch {
+		case q.Cmp(maxRate) > 0:
+			return Rate{}, fmt.Errorf("refill rate too large: at most %d tokens per second", int64(math.MaxInt64))
+		case q.Cmp(minRate) < 0:
+			return Rate{}, fmt.Errorf("refill rate too small: at least 1/%d token per second", int64(math.MaxInt64))
+		}
+		return Rate{}, errors.New("refill rate too fine-grained to hold exactly: as tokens per second, its reduced fraction must have a numerator and denominator below 2^63")
 	}
 	return Rate{num: q.Num().Int64(), den: q.Denom().Int64()}, nil
 }

@@ -1,0 +1,107 @@
+package tokenbucket
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+// parseBlock parses a token_bucket block: one dimension "user" and a tier
+// "free" with one limit, plus extra.
+func parseBlock(extra string) (*Handler, error) {
+	h := new(Handler)
+	d := caddyfile.NewTestDispenser("token_bucket {\n\tdimension user {http.request.header.X-User}\n" + extra + "\n}")
+	return h, h.UnmarshalCaddyfile(d)
+}
+
+const freeTier = "\ttier free {\n\t\tuser 10 1/s\n\t}\n"
+
+// TestConfigMessages: each configuration error names the field and states
+// the true range; the Caddyfile and the JSON forms accept the same values.
+func TestConfigMessages(t *testing.T) {
+	for _, tc := range []struct {
+		name, block, want string
+	}{
+		{"default_max_tokens_0", freeTier + "cost estimate {\n\tdefault_max_tokens 0\n}",
+			`invalid estimate default_max_tokens "0": must be an integer from 1 to 9007199254740991`},
+		{"refill_1e400", "tier free {\n\tuser 10 1e400\n}",
+			`invalid refill "1e400" for dimension "user": refill rate too large: at most 9223372036854775807 tokens per second`},
+		{"refill_tiny", "tier free {\n\tuser 10 1e-30/s\n}",
+			`invalid refill "1e-30/s" for dimension "user": refill rate too small: at least 1/9223372036854775807 token per second`},
+		{"max_body_2GiB", freeTier + "cost estimate {\n\tmax_body 2GiB\n}",
+			`invalid estimate max_body "2GiB": must be a size from 1B to 1GiB`},
+		{"tokenizer", freeTier + "cost estimate {\n\ttokenizer gpt2\n}",
+			`estimate.tokenizer "gpt2": must be approx, o200k_base or cl100k_base`},
+		{"read_timeout", freeTier + "cost estimate {\n\tread_timeout 0s\n}",
+			`invalid estimate read_timeout "0s": must be a duration > 0`},
+		{"error_format", freeTier + "error_format xml",
+			`error_format "xml": must be json, openai or anthropic`},
+		{"include_usage_without_estimate", freeTier + "settle {\n\tinclude_usage\n}",
+			`settle.include_usage needs estimate (cost estimate)`},
+		{"settle_unknown", freeTier + "cost estimate\nsettle {\n\tusage\n}", `unknown settle option "usage"`},
+		{"settle_header_twice", freeTier + "cost estimate\nsettle header X-A {\n\theader X-B\n}", `duplicate settle option "header"`},
+		{"pool_size_negative", freeTier + "redis {\n\tpool_size -1\n}", `invalid redis pool_size "-1": must be a whole number ≥ 0 (0: the default)`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := parseBlock(tc.block)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("error %v\nwant it to contain %s", err, tc.want)
+			}
+			if err != nil && len(err.Error()) > 300 {
+				t.Errorf("error of %d bytes: %.300s…", len(err.Error()), err)
+			}
+		})
+	}
+}
+
+// TestConfigAcceptedAlike: values the JSON form takes, the Caddyfile takes
+// too, with the same meaning.
+func TestConfigAcceptedAlike(t *testing.T) {
+	h, err := parseBlock(freeTier + "redis {\n\tpool_size 0\n\tbreaker_failures 0\n}\ncost estimate {\n\ttokenizer o200k_base\n\tread_timeout 2s\n}\nsettle {\n\tinclude_usage\n\theader X-Used\n}\nerror_format openai")
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, _ := json.Marshal(struct {
+		R *RedisConfig
+		E *Estimate
+		S *Settle
+		F string
+	}{h.Redis, h.Estimate, h.Settle, h.ErrorFormat})
+	const want = `{"R":{},"E":{"tokenizer":"o200k_base","read_timeout":2000000000},"S":{"header":"X-Used","include_usage":true},"F":"openai"}`
+	if string(got) != want {
+		t.Errorf("parsed %s\nwant %s", got, want)
+	}
+	if _, err := parseBlock(freeTier + "settle header X-Used"); err != nil {
+		t.Errorf("settle header <name>: %v", err)
+	}
+}
+
+// TestJSONConfigMessages: the JSON form's errors state the same ranges.
+func TestJSONConfigMessages(t *testing.T) {
+	base := `"dimensions":[{"name":"user","identity":"{u}"}],"tiers":[{"name":"free","limits":[{"dimension":"user","capacity":10,"refill_rate":1}]}]`
+	for _, tc := range []struct {
+		name, json, want string
+	}{
+		{"max_body_4GiB", `"estimate":{"max_body":4294967296}`,
+			"estimate.max_body 4294967296: must be a size in bytes from 1 to 1073741824 (1 GiB), or 0 for the default"},
+		{"default_max_tokens", `"estimate":{"default_max_tokens":-1}`,
+			"estimate.default_max_tokens -1: must be from 1 to 9007199254740991, or 0 for the default"},
+		{"pool_size", `"redis":{"pool_size":-1}`, "redis.pool_size -1: must be ≥ 0 (0: go-redis's default, 10 per CPU)"},
+		{"breaker_failures", `"redis":{"breaker_failures":-2}`, "redis.breaker_failures -2: must be ≥ 0 (0: the default, 5)"},
+		{"error_format", `"error_format":"OpenAI"`, `error_format "OpenAI": must be json, openai or anthropic`},
+		{"include_usage", `"settle":{"include_usage":true}`, "settle.include_usage needs estimate"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var h Handler
+			if err := json.Unmarshal([]byte("{"+base+","+tc.json+"}"), &h); err != nil {
+				t.Fatal(err)
+			}
+			err := h.Validate()
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("error %v\nwant it to contain %s", err, tc.want)
+			}
+		})
+	}
+}
