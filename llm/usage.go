@@ -1,0 +1,592 @@
+package llm
+
+import (
+	"bytes"
+	"io"
+	"strings"
+	"sync"
+
+	"github.com/go-json-experiment/json/jsontext"
+)
+
+// MaxTokenCount is the largest token count a usage report may carry, for
+// each of its numbers and for their sum: 2^53-1, the largest integer that
+// every JSON implementation (and the Lua of the Redis scripts, whose
+// numbers are doubles) holds exactly. A larger count is Invalid.
+const MaxTokenCount = 1<<53 - 1
+
+// MaxUsageObject is the largest usage object, in bytes of JSON as
+// written, that a UsageReader reads. The usage objects of OpenAI and
+// Anthropic are a few hundred bytes; a larger one is Invalid.
+const MaxUsageObject = 4 << 10
+
+// Usage is a response's reported token usage, in tokens.
+//
+// The fields are read from the provider's usage object:
+//
+//   - InputTokens: prompt_tokens (OpenAI chat completions and embeddings,
+//     https://platform.openai.com/docs/api-reference/chat/object) or
+//     input_tokens (OpenAI Responses API,
+//     https://platform.openai.com/docs/api-reference/responses/object;
+//     Anthropic Messages API,
+//     https://docs.anthropic.com/en/api/messages). The cached part of an
+//     OpenAI prompt (prompt_tokens_details.cached_tokens,
+//     input_tokens_details.cached_tokens) is inside this count already and
+//     is not read.
+//   - OutputTokens: completion_tokens (OpenAI chat completions) or
+//     output_tokens (Responses API, Anthropic). Reasoning tokens
+//     (completion_tokens_details.reasoning_tokens,
+//     output_tokens_details.reasoning_tokens) are inside this count and
+//     are not read.
+//   - CacheCreationInputTokens, CacheReadInputTokens:
+//     cache_creation_input_tokens and cache_read_input_tokens (Anthropic,
+//     https://docs.anthropic.com/en/docs/build-with-claude/prompt-caching);
+//     Anthropic's input_tokens excludes them, so they count as input.
+//   - TotalTokens: total_tokens (OpenAI), as reported; 0 when not reported.
+//
+// A field the provider reports as null counts as not reported.
+type Usage struct {
+	InputTokens              int64
+	OutputTokens             int64
+	CacheCreationInputTokens int64
+	CacheReadInputTokens     int64
+	TotalTokens              int64
+
+	// Partial is true when the only report seen is the one an Anthropic
+	// stream opens with (message_start's message.usage): its input counts
+	// are final, but its output_tokens is the count at the start of the
+	// answer (typically 1), not the final one, which only message_delta
+	// carries. A stream cut between the two ends with a Partial usage.
+	Partial bool
+}
+
+// Total returns the tokens a settlement charges: TotalTokens when the
+// provider reports a nonzero total, else InputTokens +
+// CacheCreationInputTokens + CacheReadInputTokens + OutputTokens. (A total
+// of 0 next to nonzero parts is not believed.) The result of Found usage
+// is at most MaxTokenCount.
+func (u Usage) Total() int64 {
+	if u.TotalTokens > 0 {
+		return u.TotalTokens
+	}
+	return u.sum()
+}
+
+func (u Usage) sum() int64 {
+	return u.InputTokens + u.CacheCreationInputTokens + u.CacheReadInputTokens + u.OutputTokens
+}
+
+// Status tells what a UsageReader made of a response.
+type Status uint8
+
+const (
+	// NotReported: no usage was seen (yet): the body has no usage object,
+	// or only a null one, or one with none of the token counts Usage
+	// reads, or the body was cut before its usage object ended. The
+	// estimate stands.
+	NotReported Status = iota
+	// Found: the Usage is what the provider reported.
+	Found
+	// Invalid: a usage object was seen but cannot be believed: a count
+	// that is not a number, negative, not an integer or above
+	// MaxTokenCount (the exact value of the JSON number decides: 320.0 and
+	// 3.2e2 are 320, -0 is 0, and 1.5, 1e-3 and 1e16 are Invalid); counts
+	// that sum above MaxTokenCount; a usage value that is not valid JSON,
+	// has a duplicate name, is larger than MaxUsageObject, or is neither
+	// an object nor null; more than one top-level usage member in a JSON
+	// body. One such report makes a whole event stream Invalid. The
+	// estimate should stand, and the response be counted or logged.
+	Invalid
+	// Unreadable: the body could not be read: an unknown or unsupported
+	// content coding, an encoded body over MaxEncodedBody, a decoded body
+	// over MaxDecodedBody, or corrupt compressed data before any usage.
+	Unreadable
+)
+
+func (s Status) String() string {
+	switch s {
+	case NotReported:
+		return "not_reported"
+	case Found:
+		return "found"
+	case Invalid:
+		return "invalid"
+	case Unreadable:
+		return "unreadable"
+	}
+	return "unknown"
+}
+
+// A UsageReader reads the token usage a response body reports, from the
+// bytes written to it as the body passes through a gateway, without
+// keeping the body. It knows these shapes:
+//
+//   - A JSON body (any Content-Type but text/event-stream): the value of
+//     the top-level "usage" member of the top-level object, wherever it
+//     is in the body, however long the body. "usage" names nested deeper
+//     (in choices, content, metadata, tool arguments) are not read.
+//     OpenAI chat completions, embeddings and Responses API bodies and
+//     Anthropic Messages bodies all carry their usage there.
+//   - A text/event-stream body
+//     (https://html.spec.whatwg.org/multipage/server-sent-events.html):
+//     in the JSON data of every event, the top-level "usage" member (the
+//     last chunk of an OpenAI chat stream with
+//     stream_options.include_usage,
+//     https://platform.openai.com/docs/api-reference/chat-streaming;
+//     Anthropic's message_delta,
+//     https://docs.anthropic.com/en/docs/build-with-claude/streaming),
+//     "message"."usage" (Anthropic's message_start) and
+//     "response"."usage" (the Responses API's response.completed,
+//     response.incomplete and response.failed,
+//     https://platform.openai.com/docs/api-reference/responses-streaming).
+//     Each count takes the latest value any event reports for it:
+//     Anthropic's message_delta carries the cumulative output_tokens (and
+//     in newer API versions the input and cache counts again). Events of
+//     any length are read: the event data is scanned as it arrives, not
+//     kept.
+//
+// A UsageReader uses bounded memory: it keeps at most one usage object
+// (MaxUsageObject) of an identity body, and the encoded bytes of a
+// compressed one (up to MaxEncodedBody, see NewUsageReader).
+//
+// A UsageReader is not safe for concurrent use: Write and Result must not
+// run at the same time (a handler calls both from its own goroutine).
+type UsageReader struct {
+	codings  [maxCodings]coding
+	ncodings int
+	unknown  bool // a coding that is not read: Unreadable
+
+	enc     []byte // the encoded body, when ncodings > 0
+	encOver bool   // the encoded body went over MaxEncodedBody
+
+	// The result of decoding the first decodedLen bytes of enc.
+	decoded    bool
+	decodedLen int
+	usage      Usage
+	status     Status
+
+	body usageBody
+}
+
+var readerPool = sync.Pool{New: func() any { return new(UsageReader) }}
+
+// NewUsageReader returns a UsageReader for a response with the given
+// Content-Type and Content-Encoding header values.
+//
+// contentType text/event-stream (any case, any parameters) selects the
+// event-stream reading; anything else is read as JSON.
+//
+// contentEncoding lists the content codings applied to the body, in the
+// order they were applied (RFC 9110, section 8.4), comma separated, any
+// case: "" and identity (none), gzip and x-gzip, deflate (zlib-wrapped as
+// RFC 9110 says, and raw deflate as browsers accept too), br and zstd; at
+// most 4 of them. Any other coding makes the reader report Unreadable.
+// Only an identity body is read as it is written; a compressed body is
+// kept, up to MaxEncodedBody bytes, and decoded when Result is called.
+//
+// The reader comes from a pool: call Release once done with it (after
+// the last Result), or let the garbage collector have it.
+func NewUsageReader(contentType, contentEncoding string) *UsageReader {
+	r := readerPool.Get().(*UsageReader)
+	r.Reset(contentType, contentEncoding)
+	return r
+}
+
+// Reset makes r a new reader for a response with the given Content-Type
+// and Content-Encoding, as NewUsageReader does, keeping its buffers.
+func (r *UsageReader) Reset(contentType, contentEncoding string) {
+	r.ncodings, r.unknown = parseCodings(contentEncoding, &r.codings)
+	r.enc = r.enc[:0]
+	r.encOver = false
+	r.decoded = false
+	r.body.reset(isEventStream(contentType))
+}
+
+// Release returns r to the pool NewUsageReader takes readers from. r must
+// not be used after.
+func (r *UsageReader) Release() {
+	if cap(r.enc) > 64<<10 {
+		r.enc = nil // don't keep a large buffer in the pool
+	}
+	r.body.release()
+	readerPool.Put(r)
+}
+
+// Write reads p, the next bytes of the body as sent (still encoded). It
+// always consumes all of p and never returns an error.
+func (r *UsageReader) Write(p []byte) (int, error) {
+	switch {
+	case r.unknown || r.encOver:
+	case r.ncodings == 0:
+		r.body.Write(p)
+	case len(r.enc)+len(p) > MaxEncodedBody:
+		r.encOver = true
+		r.enc = nil // nothing more is kept
+	default:
+		if need := len(r.enc) + len(p); need > cap(r.enc) {
+			// Grow by doubling, from 4 KiB, but never past the bound.
+			enc := make([]byte, len(r.enc), min(max(need, 2*cap(r.enc), 4<<10), MaxEncodedBody))
+			copy(enc, r.enc)
+			r.enc = enc
+		}
+		r.enc = append(r.enc, p...)
+	}
+	return len(p), nil
+}
+
+// Result returns the usage the body written so far reports, and what was
+// made of it. It can be called at any time, any number of times, also
+// with more writes in between: it reads the body as if it ended here. An
+// event-stream event counts as soon as its usage object is complete,
+// without waiting for the blank line that ends the event (so a stream cut
+// right after its usage still settles); a JSON body cut before its usage
+// object ends reports NotReported.
+//
+// For a compressed body, Result decodes the bytes written so far (a cut
+// stream decodes as far as it goes) and caches the result until the next
+// Write: calling it twice decodes once. Corrupt compressed data is
+// Unreadable unless a usage report was read before it.
+//
+// The Usage is zero unless the Status is Found.
+func (r *UsageReader) Result() (Usage, Status) {
+	switch {
+	case r.unknown || r.encOver:
+		return Usage{}, Unreadable
+	case r.ncodings == 0:
+		return r.body.result()
+	case r.decoded && r.decodedLen == len(r.enc):
+		return r.usage, r.status
+	}
+	r.body.reset(r.body.sse)
+	outcome := decodeBody(r.enc, r.codings[:r.ncodings], &r.body)
+	u, s := r.body.result()
+	switch {
+	case outcome == decodeTooLarge:
+		u, s = Usage{}, Unreadable
+	case outcome == decodeCorrupt && s == NotReported:
+		s = Unreadable
+	}
+	r.decoded, r.decodedLen, r.usage, r.status = true, len(r.enc), u, s
+	return u, s
+}
+
+// isEventStream reports whether a Content-Type is text/event-stream.
+func isEventStream(contentType string) bool {
+	mt, _, _ := strings.Cut(contentType, ";")
+	return strings.EqualFold(strings.TrimSpace(mt), "text/event-stream")
+}
+
+// usageBody reads decoded body bytes: a JSON body, or an event stream.
+type usageBody struct {
+	sse  bool
+	ev   sseLines // event-stream framing
+	scan jsonScan // the JSON body, or the data of the current event
+
+	capture []byte // the usage value being read, up to MaxUsageObject
+	capOver bool
+
+	tally tally
+
+	dec *jsontext.Decoder
+	buf bytes.Buffer
+}
+
+func (b *usageBody) reset(sse bool) {
+	b.sse = sse
+	b.ev = sseLines{}
+	b.scan.reset(sse)
+	b.capture = b.capture[:0]
+	b.capOver = false
+	b.tally = tally{}
+}
+
+func (b *usageBody) release() {
+	if cap(b.capture) > MaxUsageObject {
+		b.capture = nil
+	}
+	b.buf.Reset()
+}
+
+// Write reads the next decoded bytes of the body.
+func (b *usageBody) Write(p []byte) (int, error) {
+	if b.sse {
+		b.ev.feed(b, p)
+	} else {
+		b.scan.feed(b, p)
+	}
+	return len(p), nil
+}
+
+func (b *usageBody) result() (Usage, Status) {
+	t := &b.tally
+	switch {
+	case t.invalid:
+		return Usage{}, Invalid
+	case t.set == 0:
+		return Usage{}, NotReported
+	}
+	u := Usage{
+		InputTokens:              t.vals[fieldInput],
+		OutputTokens:             t.vals[fieldOutput],
+		CacheCreationInputTokens: t.vals[fieldCacheCreation],
+		CacheReadInputTokens:     t.vals[fieldCacheRead],
+		TotalTokens:              t.vals[fieldTotal],
+		Partial:                  t.partial,
+	}
+	// Each count is at most MaxTokenCount, so the sum does not overflow.
+	if u.sum() > MaxTokenCount {
+		return Usage{}, Invalid
+	}
+	return u, Found
+}
+
+// captureAppend adds p to the usage value being read.
+func (b *usageBody) captureAppend(p []byte) {
+	if b.capOver || len(p) == 0 {
+		return
+	}
+	if len(b.capture)+len(p) > MaxUsageObject {
+		b.capOver = true
+		return
+	}
+	b.capture = append(b.capture, p...)
+}
+
+// Where a usage object is.
+const (
+	usageTop      = iota // the top-level "usage"
+	usageMessage         // "message"."usage": Anthropic's message_start
+	usageResponse        // "response"."usage": the Responses API's last events
+)
+
+// report reads a usage value the scan has read whole into b.capture.
+func (b *usageBody) report(where int) {
+	raw, over := b.capture, b.capOver
+	b.capture, b.capOver = b.capture[:0], false
+	t := &b.tally
+	if !b.sse && where == usageTop {
+		t.reports++
+		if t.reports > 1 {
+			t.invalid = true // a duplicate top-level member
+			return
+		}
+	}
+	if over {
+		t.invalid = true
+		return
+	}
+	raw = bytes.TrimSpace(raw)
+	if string(raw) == "null" {
+		return // every OpenAI chunk but the last, with include_usage
+	}
+	var f usageFields
+	if !b.parseUsage(raw, &f) {
+		t.invalid = true
+		return
+	}
+	if f.set == 0 {
+		return
+	}
+	for i := range numFields {
+		if f.set&(1<<i) != 0 {
+			t.vals[i] = f.vals[i]
+		}
+	}
+	t.set |= f.set
+	t.partial = where == usageMessage
+}
+
+// The counts of a usage object.
+const (
+	fieldInput = iota
+	fieldOutput
+	fieldCacheCreation
+	fieldCacheRead
+	fieldTotal
+	numFields
+)
+
+type usageFields struct {
+	vals [numFields]int64
+	set  uint8 // bit i: vals[i] was reported
+}
+
+// tally is the usage read so far.
+type tally struct {
+	usageFields
+	invalid bool
+	partial bool
+	reports int // top-level usage members of a JSON body
+}
+
+// fieldOf returns the count a usage member's name (raw JSON string) is,
+// or -1.
+func fieldOf(name []byte) int {
+	var buf [40]byte
+	s, ok := unquoteName(name, buf[:0])
+	if !ok {
+		return -1
+	}
+	switch string(s) {
+	case "prompt_tokens", "input_tokens":
+		return fieldInput
+	case "completion_tokens", "output_tokens":
+		return fieldOutput
+	case "cache_creation_input_tokens":
+		return fieldCacheCreation
+	case "cache_read_input_tokens":
+		return fieldCacheRead
+	case "total_tokens":
+		return fieldTotal
+	}
+	return -1
+}
+
+// unquoteName returns the value of a JSON string (with its quotes) that is
+// short enough to be a name we look for, appended to dst; ok is false for
+// an invalid or longer string. It does not allocate when dst has room.
+func unquoteName(raw, dst []byte) ([]byte, bool) {
+	if len(raw) < 2 || len(raw) > 2+cap(dst)*6 {
+		return nil, false
+	}
+	if bytes.IndexByte(raw, '\\') < 0 {
+		s := raw[1 : len(raw)-1]
+		return s, len(s) <= cap(dst)
+	}
+	s, err := jsontext.AppendUnquote(dst, raw)
+	return s, err == nil && len(s) <= cap(dst)
+}
+
+// parseUsage reads a usage value with the JSON decoder: null or an object
+// whose known members are null or valid counts (see parseCount); unknown
+// members may be anything. A count named twice (prompt_tokens and
+// input_tokens, say) must agree. It reports false for anything else.
+func (b *usageBody) parseUsage(raw []byte, f *usageFields) bool {
+	if b.dec == nil {
+		b.dec = jsontext.NewDecoder(&b.buf)
+	}
+	b.buf.Reset()
+	b.buf.Write(raw)
+	d := b.dec
+	d.Reset(&b.buf)
+	switch d.PeekKind() {
+	case 'n':
+		if _, err := d.ReadToken(); err != nil {
+			return false
+		}
+	case '{':
+		if _, err := d.ReadToken(); err != nil {
+			return false
+		}
+		for d.PeekKind() == '"' {
+			name, err := d.ReadValue()
+			if err != nil {
+				return false
+			}
+			i := fieldOf(name)
+			v, err := d.ReadValue()
+			if err != nil {
+				return false
+			}
+			if i < 0 || v.Kind() == 'n' {
+				continue
+			}
+			if v.Kind() != '0' {
+				return false
+			}
+			n, ok := parseCount(v)
+			if !ok || (f.set&(1<<i) != 0 && f.vals[i] != n) {
+				return false
+			}
+			f.vals[i] = n
+			f.set |= 1 << i
+		}
+		if _, err := d.ReadToken(); err != nil { // the closing brace
+			return false
+		}
+	default:
+		return false
+	}
+	_, err := d.ReadToken()
+	return err == io.EOF // nothing after the value
+}
+
+// parseCount returns the token count a JSON number (valid per RFC 8259)
+// is. A count is valid when its exact value is an integer from 0 to
+// MaxTokenCount: 320, 320.0, 3.2e2 and -0 are valid; -1, 1.5, 1e-3 and
+// 1e16 are not. Exponents are read exactly, not through a float, so no
+// rounding turns a fraction into an integer.
+func parseCount(b []byte) (int64, bool) {
+	neg := len(b) > 0 && b[0] == '-'
+	if neg {
+		b = b[1:]
+	}
+	// The value is sig * 10^(zeros - frac + exp): sig is the significant
+	// digits without their trailing zeros, zeros the count of those.
+	var sig uint64
+	zeros, frac, i := 0, 0, 0
+	inFrac := false
+	for ; i < len(b); i++ {
+		c := b[i]
+		switch {
+		case c == '.':
+			inFrac = true
+			continue
+		case c < '0' || c > '9':
+		case c == '0':
+			if sig != 0 {
+				zeros++
+			}
+			if inFrac {
+				frac++
+			}
+			continue
+		default:
+			for ; zeros > 0; zeros-- {
+				if sig *= 10; sig > MaxTokenCount {
+					return 0, false
+				}
+			}
+			if sig = sig*10 + uint64(c-'0'); sig > MaxTokenCount {
+				return 0, false
+			}
+			if inFrac {
+				frac++
+			}
+			continue
+		}
+		break
+	}
+	exp := 0
+	if i < len(b) && (b[i] == 'e' || b[i] == 'E') {
+		i++
+		eneg := false
+		if i < len(b) && (b[i] == '+' || b[i] == '-') {
+			eneg = b[i] == '-'
+			i++
+		}
+		for ; i < len(b); i++ {
+			if exp < 1000 { // saturate: any larger exponent is out of range
+				exp = exp*10 + int(b[i]-'0')
+			}
+		}
+		if eneg {
+			exp = -exp
+		}
+	}
+	if sig == 0 {
+		return 0, true
+	}
+	if neg {
+		return 0, false
+	}
+	for k := zeros - frac + exp; k != 0; k-- {
+		if k < 0 {
+			return 0, false // a fraction: the last significant digit is not 0
+		}
+		if sig *= 10; sig > MaxTokenCount {
+			return 0, false
+		}
+	}
+	return int64(sig), true
+}

@@ -1,0 +1,235 @@
+package llm
+
+import (
+	"bytes"
+
+	"github.com/go-json-experiment/json/jsontext"
+)
+
+// jsonScan follows one JSON text pushed to it in pieces, tracking only
+// strings, escapes and nesting, to find the value of the top-level
+// object's "usage" member (and, for event data, of "message"."usage" and
+// "response"."usage") and pass it whole to usageBody.report. It does not
+// validate the JSON: a usage value it hands over is validated when
+// parsed. It is linear in the input, allocates nothing, and keeps no
+// input but the usage value it reads (usageBody.capture): strings are
+// skipped with bytes.IndexByte, names of interest are kept in a small
+// array.
+//
+// Member names are compared by value: a name written with escapes
+// ("us\u0061ge") is the same name.
+type jsonScan struct {
+	paths bool // also "message"."usage" and "response"."usage"
+
+	depth   int  // 1 inside the top-level object
+	started bool // the top-level value has begun
+	done    bool // the top-level value has ended, or is not an object
+
+	inStr bool
+	esc   bool // in a string: the next byte is escaped
+
+	// Member names are read at the tracked depths: 1, and 2 inside the
+	// object value of a top-level "message" or "response" (parent).
+	want   bool              // at a tracked depth, the next string is a member name
+	inName bool              // reading a member name
+	nameN  int               // its raw length so far
+	name   [maxName + 2]byte // quotes included
+	member int               // the last member name read at a tracked depth
+	parent int               // at depth 2 and deeper: the tracked object we are in
+
+	capturing bool // reading a usage value (after its colon)
+	capDepth  int  // the depth of its member
+}
+
+// maxName is the longest raw member name kept: "response" with every
+// letter escaped as \uXXXX.
+const maxName = 6 * len("response")
+
+// Member names that matter.
+const (
+	memberOther = iota
+	memberUsage
+	memberMessage
+	memberResponse
+)
+
+func (s *jsonScan) reset(paths bool) {
+	*s = jsonScan{paths: paths}
+}
+
+// tracked reports whether member names are read at the current depth.
+func (s *jsonScan) tracked() bool {
+	return s.depth == 1 || (s.depth == 2 && s.parent != memberOther)
+}
+
+// feed scans the next bytes of the JSON text.
+func (s *jsonScan) feed(b *usageBody, p []byte) {
+	capStart := 0 // where the usage value being read starts in p
+	i := 0
+	for i < len(p) && !s.done {
+		if s.inStr {
+			j := bytes.IndexByte(p[i:], '"')
+			if j < 0 {
+				seg := p[i:]
+				run := trailingBackslashes(seg)
+				s.esc = (s.esc && run == len(seg)) != (run&1 == 1)
+				if s.inName {
+					s.nameAppend(seg)
+				}
+				i = len(p)
+				break
+			}
+			seg := p[i : i+j]
+			run := trailingBackslashes(seg)
+			escaped := (s.esc && run == j) != (run&1 == 1)
+			s.esc = false
+			if s.inName {
+				s.nameAppend(p[i : i+j+1])
+			}
+			i += j + 1
+			if escaped {
+				continue
+			}
+			s.closeString()
+			continue
+		}
+		c := p[i]
+		switch c {
+		case ' ', '\t', '\n', '\r':
+		case '"':
+			if s.depth == 0 {
+				s.done = true // not an object
+				break
+			}
+			s.inStr = true
+			if s.want {
+				s.want, s.inName, s.nameN = false, true, 0
+				s.nameAppend(p[i : i+1])
+			}
+		case '{', '[':
+			if s.depth == 0 {
+				if c == '[' {
+					s.done = true
+					break
+				}
+				s.started = true
+			}
+			entering := false
+			if c == '{' && s.depth == 1 && s.paths && !s.capturing &&
+				(s.member == memberMessage || s.member == memberResponse) {
+				s.parent, entering = s.member, true
+			}
+			s.depth++
+			s.want = c == '{' && (s.depth == 1 || entering)
+			s.member = memberOther
+		case '}', ']':
+			if s.capturing && s.depth == s.capDepth {
+				s.endCapture(b, p[capStart:i]) // a scalar value, ended by its parent
+			}
+			s.depth--
+			if s.capturing && s.depth == s.capDepth {
+				// An object or array value, whole: report it now, not
+				// when the next member or the end of its parent comes.
+				s.endCapture(b, p[capStart:i+1])
+			}
+			if s.depth <= 0 {
+				s.done = true
+			}
+			if s.depth <= 1 {
+				s.parent = memberOther
+			}
+			s.want = false
+		case ',':
+			if s.capturing && s.depth == s.capDepth {
+				s.endCapture(b, p[capStart:i])
+			}
+			if s.tracked() {
+				s.want, s.member = true, memberOther
+			}
+		case ':':
+			if !s.capturing && s.member == memberUsage && s.tracked() {
+				s.capturing, s.capDepth, capStart = true, s.depth, i+1
+			}
+		default:
+			if s.depth == 0 {
+				s.done = true // not an object
+			}
+		}
+		i++
+	}
+	if s.capturing {
+		b.captureAppend(p[capStart:i])
+	}
+}
+
+// closeString ends the string being read.
+func (s *jsonScan) closeString() {
+	s.inStr = false
+	if s.inName {
+		s.inName = false
+		s.member = s.nameIs()
+	}
+}
+
+func (s *jsonScan) endCapture(b *usageBody, last []byte) {
+	b.captureAppend(last)
+	s.capturing = false
+	where := usageTop
+	if s.capDepth == 2 {
+		where = usageMessage
+		if s.parent == memberResponse {
+			where = usageResponse
+		}
+	}
+	b.report(where)
+}
+
+// nameAppend keeps the next raw bytes of a member name (quotes included).
+func (s *jsonScan) nameAppend(p []byte) {
+	if s.nameN+len(p) <= len(s.name) {
+		copy(s.name[s.nameN:], p)
+	}
+	s.nameN += len(p)
+}
+
+// nameIs returns which member the name just read is.
+func (s *jsonScan) nameIs() int {
+	if s.nameN > len(s.name) {
+		return memberOther
+	}
+	raw := s.name[:s.nameN]
+	switch n := len(raw); {
+	case n == len(`"usage"`), n == len(`"message"`), n == len(`"response"`):
+	case n < len(`"\u0075sage"`):
+		return memberOther // too short to have an escape, not one of ours
+	}
+	var buf [maxName]byte
+	var name []byte
+	if bytes.IndexByte(raw, '\\') < 0 {
+		name = raw[1 : len(raw)-1]
+	} else {
+		n, err := jsontext.AppendUnquote(buf[:0], raw)
+		if err != nil || len(n) > len(buf) {
+			return memberOther
+		}
+		name = n
+	}
+	switch string(name) {
+	case "usage":
+		return memberUsage
+	case "message":
+		return memberMessage
+	case "response":
+		return memberResponse
+	}
+	return memberOther
+}
+
+// trailingBackslashes counts the backslashes that end p.
+func trailingBackslashes(p []byte) int {
+	n := 0
+	for n < len(p) && p[len(p)-1-n] == '\\' {
+		n++
+	}
+	return n
+}
