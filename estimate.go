@@ -2,16 +2,17 @@ package tokenbucket
 
 import (
 	"bytes"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"os"
+	"strconv"
 	"time"
-	"unicode/utf8"
 
 	"github.com/caddyserver/caddy/v2"
+
+	"github.com/token-bucket/token_bucket/llm"
 )
 
 // Defaults and bounds of the cost estimator.
@@ -23,27 +24,25 @@ const (
 	// DefaultEstimateReadTimeout bounds the time the whole body may take to
 	// arrive.
 	DefaultEstimateReadTimeout = 10 * time.Second
-	// CharsPerToken is the estimator's rule of thumb: one token per four
-	// characters of English text (OpenAI's own guidance), rounded up.
-	CharsPerToken = 4
-	// ImagePartTokens is what a non-text content part (an image) counts:
-	// the base cost of a low-detail image in OpenAI's pricing.
-	ImagePartTokens = 85
 )
 
-// Estimate estimates the LLM tokens of an OpenAI-compatible or
-// Anthropic-style request body before it is sent: the prompt tokens
-// ⌈characters / 4⌉ over every text in system, messages (string content or
-// text parts) and prompt, plus 85 per non-text part, plus the completion
-// budget: max_completion_tokens, else max_tokens, else DefaultMaxTokens.
-// The body is read once, up to MaxBody bytes, and given back whole to the
-// next handler.
+// Estimate estimates the LLM tokens of an OpenAI- or Anthropic-style JSON
+// request body before it is sent (see package llm for what is counted:
+// messages, system, prompt, input, instructions, tools, functions,
+// response_format, tool calls and results, 85 per image or file part),
+// plus the completion budget: the body's max_completion_tokens,
+// max_tokens or max_output_tokens, else DefaultMaxTokens. The charge is
+// capped so that a request whose prompt fits the smallest tokens capacity
+// is never denied as cost_exceeds_capacity because of its budget (see
+// tokenEstimate.cost). The body is read once, up to MaxBody bytes, in one
+// linear pass, and given back whole to the next handler.
 type Estimate struct {
-	// MaxBody is the largest body read, in bytes (default 1 MiB). A larger
-	// body is invalid.
+	// MaxBody is the largest body read, in bytes: 1 to 1 GiB (default
+	// 1 MiB). A larger body is invalid.
 	MaxBody int64 `json:"max_body,omitempty"`
 	// DefaultMaxTokens is the completion budget of a request that sets
-	// neither max_tokens nor max_completion_tokens (default 1024).
+	// neither max_tokens, max_completion_tokens nor max_output_tokens
+	// (default 1024).
 	DefaultMaxTokens int64 `json:"default_max_tokens,omitempty"`
 	// OnInvalid is the cost of a body that is not JSON, not an object, or
 	// too large: -1 (the default) answers 400 invalid_body instead. A cost
@@ -62,35 +61,44 @@ type Estimate struct {
 	// request_timeout instead of holding its goroutine and buffer. Caddy's
 	// own servers { timeouts { read_body } } bounds every body as well.
 	ReadTimeout caddy.Duration `json:"read_timeout,omitempty"`
-}
 
-// Names of estimate.tokenizer.
-const (
-	TokenizerApprox = "approx"
-	TokenizerO200k  = "o200k_base"
-	TokenizerCl100k = "cl100k_base"
-)
+	tok llm.Tokenizer
+}
 
 var (
 	errInvalidBody = errors.New("request body is not a JSON chat or completion request within the size limit")
 	errBodyTimeout = errors.New("request body did not arrive within estimate.read_timeout")
 )
 
+// provision builds the tokenizer (a BPE encoder is built once per process
+// and shared).
+func (e *Estimate) provision() error {
+	if e == nil {
+		return nil
+	}
+	tok, err := llm.ParseTokenizer(e.Tokenizer)
+	if err != nil {
+		return fmt.Errorf("estimate.tokenizer: %w", err)
+	}
+	e.tok = tok
+	return nil
+}
+
 // tokenEstimate is what the estimate makes of a request.
 type tokenEstimate struct {
-	prompt     int64 // the prompt's tokens
-	completion int64 // the completion budget: the body's, else default_max_tokens
+	prompt      int64 // the prompt's tokens
+	completion  int64 // the completion budget: the body's, else default_max_tokens
+	streamUsage bool  // stream_options.include_usage was added to the body
 }
 
 // cost is the charge of the estimate against tokens limits whose smallest
 // capacity is capacity: prompt + completion, with the completion budget
 // capped so that the charge fits that capacity. A request whose prompt
 // fits is never denied as cost_exceeds_capacity because of
-// default_max_tokens or a large max_tokens (LiteLLM's
-// BerriAI/litellm#6938 class of bug: a budget larger than a TPM limit
-// locked every such request out for good); only a prompt larger than the
-// capacity alone is, since no wait can serve it. Settlement charges what
-// the answer really used.
+// default_max_tokens or a large max_tokens (a budget larger than a tokens
+// limit would lock every such request out for good, a bug LiteLLM shipped
+// and fixed); only a prompt larger than the capacity alone is, since no
+// wait can serve it. Settlement charges what the answer really used.
 func (e tokenEstimate) cost(capacity int64) int64 {
 	if e.prompt >= capacity {
 		return e.prompt
@@ -98,11 +106,13 @@ func (e tokenEstimate) cost(capacity int64) int64 {
 	return min(e.prompt+e.completion, capacity)
 }
 
-// estimate reads r's body, restores it, and estimates its tokens. A body
+// estimate reads r's body, restores it, and estimates its tokens. With
+// streamUsage (settle { include_usage }), a stream that does not ask for
+// its usage is sent on with stream_options.include_usage added. A body
 // that cannot be read is errInvalidBody, or, with on_invalid <cost>, an
 // estimate of that cost with no completion budget; a body that does not
 // arrive in time is errBodyTimeout.
-func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request) (tokenEstimate, error) {
+func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage bool) (tokenEstimate, error) {
 	body, err := e.readBody(w, r)
 	if err != nil {
 		if err == errBodyTimeout {
@@ -110,11 +120,35 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request) (tokenEstima
 		}
 		return e.invalid()
 	}
-	prompt, budget, ok := estimateTokens(body, e.defaultMaxTokens())
-	if !ok {
+	req, err := llm.ParseRequest(body, e.tok)
+	if err != nil {
 		return e.invalid()
 	}
-	return tokenEstimate{prompt: prompt, completion: budget}, nil
+	maxTokens := e.DefaultMaxTokens
+	if maxTokens <= 0 {
+		maxTokens = DefaultEstimateMaxTokens
+	}
+	est := tokenEstimate{prompt: req.PromptTokens, completion: req.Budget(maxTokens)}
+	if streamUsage && req.NeedsStreamUsage() {
+		if out, changed, err := llm.WithStreamUsage(body, req); err == nil && changed {
+			setBody(r, out)
+			// The usage chunk is cut out of the stream on its way back,
+			// which an encoded stream would not allow: neither the
+			// upstream nor Caddy's encode may compress it.
+			r.Header.Del("Accept-Encoding")
+			est.streamUsage = true
+		}
+	}
+	return est, nil
+}
+
+// setBody makes body r's body, with its Content-Length.
+func setBody(r *http.Request, body []byte) {
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	r.ContentLength = int64(len(body))
+	r.Header.Set("Content-Length", strconv.Itoa(len(body)))
+	r.Header.Del("Transfer-Encoding")
+	r.TransferEncoding = nil
 }
 
 // readBody reads r's body, up to max_body bytes and within read_timeout,
@@ -186,13 +220,6 @@ func (d *deadlineReader) Read(p []byte) (int, error) {
 	return n, err
 }
 
-func (e *Estimate) defaultMaxTokens() int64 {
-	if e.DefaultMaxTokens > 0 {
-		return e.DefaultMaxTokens
-	}
-	return DefaultEstimateMaxTokens
-}
-
 func (e *Estimate) invalid() (tokenEstimate, error) {
 	if e.OnInvalid != nil && *e.OnInvalid >= 0 {
 		return tokenEstimate{prompt: *e.OnInvalid}, nil
@@ -203,106 +230,6 @@ func (e *Estimate) invalid() (tokenEstimate, error) {
 type readCloser struct {
 	io.Reader
 	io.Closer
-}
-
-// llmRequest is the part of an OpenAI chat/completions or Anthropic
-// messages request that the estimate reads.
-type llmRequest struct {
-	System              json.RawMessage `json:"system"`
-	Messages            []llmMessage    `json:"messages"`
-	Prompt              json.RawMessage `json:"prompt"`
-	Input               json.RawMessage `json:"input"`
-	MaxTokens           *int64          `json:"max_tokens"`
-	MaxCompletionTokens *int64          `json:"max_completion_tokens"`
-	MaxOutputTokens     *int64          `json:"max_output_tokens"`
-}
-
-type llmMessage struct {
-	Content json.RawMessage `json:"content"`
-}
-
-// estimateTokens applies the rule to a JSON body; ok is false when the body
-// is not a JSON object or a budget is negative.
-func estimateTokens(body []byte, defaultMax int64) (prompt, budget int64, ok bool) {
-	// json.Unmarshal takes null for an object; the estimate does not.
-	if b := bytes.TrimLeft(body, " \t\r\n"); len(b) == 0 || b[0] != '{' {
-		return 0, 0, false
-	}
-	var req llmRequest
-	if err := json.Unmarshal(body, &req); err != nil {
-		return 0, 0, false
-	}
-	var chars, parts int64
-	count := func(raw json.RawMessage) {
-		c, p := countContent(raw)
-		chars, parts = chars+c, parts+p
-	}
-	count(req.System)
-	count(req.Prompt)
-	count(req.Input)
-	for _, m := range req.Messages {
-		count(m.Content)
-	}
-	budget = defaultMax
-	for _, b := range []*int64{req.MaxOutputTokens, req.MaxTokens, req.MaxCompletionTokens} {
-		if b != nil {
-			budget = *b
-		}
-	}
-	if budget < 0 || budget > MaxCost {
-		return 0, 0, false
-	}
-	prompt = (chars+CharsPerToken-1)/CharsPerToken + parts*ImagePartTokens
-	return min(prompt, MaxCost), budget, true
-}
-
-// countContent counts the characters of a content value: a string, an
-// array of strings or of parts ({"type":"text","text":...} or another
-// type, counted as one non-text part). Anything else counts nothing.
-func countContent(raw json.RawMessage) (chars, parts int64) {
-	raw = bytes.TrimSpace(raw)
-	if len(raw) == 0 {
-		return 0, 0
-	}
-	switch raw[0] {
-	case '"':
-		var s string
-		if json.Unmarshal(raw, &s) == nil {
-			return int64(utf8.RuneCountInString(s)), 0
-		}
-	case '[':
-		var items []json.RawMessage
-		if json.Unmarshal(raw, &items) != nil {
-			return 0, 0
-		}
-		for _, it := range items {
-			c, p := countPart(it)
-			chars, parts = chars+c, parts+p
-		}
-	}
-	return chars, parts
-}
-
-func countPart(raw json.RawMessage) (chars, parts int64) {
-	raw = bytes.TrimSpace(raw)
-	if len(raw) > 0 && raw[0] == '"' {
-		return countContent(raw)
-	}
-	var p struct {
-		Type    string          `json:"type"`
-		Text    string          `json:"text"`
-		Content json.RawMessage `json:"content"`
-	}
-	if json.Unmarshal(raw, &p) != nil {
-		return 0, 0
-	}
-	if (p.Type == "" || p.Type == "message") && p.Content != nil {
-		return countContent(p.Content) // a message in a Responses API input
-	}
-	if p.Type == "text" || p.Type == "input_text" || (p.Type == "" && p.Text != "") {
-		return int64(utf8.RuneCountInString(p.Text)), 0
-	}
-	return 0, 1
 }
 
 func (e *Estimate) validate() error {
@@ -316,9 +243,9 @@ func (e *Estimate) validate() error {
 		return fmt.Errorf("estimate.read_timeout %v: must be > 0, or 0 for the default", time.Duration(e.ReadTimeout))
 	}
 	switch e.Tokenizer {
-	case "", TokenizerApprox, TokenizerO200k, TokenizerCl100k:
+	case "", llm.Approx, llm.O200kBase, llm.Cl100kBase:
 	default:
-		return fmt.Errorf("estimate.tokenizer %q: must be %s, %s or %s", e.Tokenizer, TokenizerApprox, TokenizerO200k, TokenizerCl100k)
+		return fmt.Errorf("estimate.tokenizer %q: must be %s, %s or %s", e.Tokenizer, llm.Approx, llm.O200kBase, llm.Cl100kBase)
 	}
 	if e.DefaultMaxTokens < 0 || e.DefaultMaxTokens > MaxCost {
 		return fmt.Errorf("estimate.default_max_tokens %d: must be from 1 to %d, or 0 for the default", e.DefaultMaxTokens, int64(MaxCost))

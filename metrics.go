@@ -61,6 +61,13 @@ type collectors struct {
 	breakerTransitions *prometheus.CounterVec
 	// breakerOpen is read from the live breakers at scrape time.
 	breakerOpen breakerCollector
+	// settlements counts the settlements of LLM usage (settle) by
+	// outcome: settled (the usage was read and applied), not_reported (no
+	// usage in the response: the estimate stands), invalid (usage with a
+	// negative, fractional or overflowing number), unreadable (an unknown
+	// or corrupt Content-Encoding, or a compressed body over
+	// llm.MaxEncodedBody), failed (the Redis call failed).
+	settlements *prometheus.CounterVec
 
 	localChildren [numOutcomes]prometheus.Counter
 	errorChildren map[string]prometheus.Counter
@@ -127,6 +134,9 @@ func newCollectors() *collectors {
 		breakerOpen: breakerCollector{desc: prometheus.NewDesc(prometheus.BuildFQName(ns, sub, "breaker_open"),
 			"Shared Redis clients whose circuit breaker is open or half-open, so that on_redis_error decides: 0 or 1 with one Redis configuration.",
 			nil, nil)},
+		settlements: counter("settlements_total",
+			"Settlements of LLM token usage after the response, by outcome (settled, not_reported, invalid, unreadable, failed).",
+			"outcome"),
 		errorChildren: make(map[string]prometheus.Counter),
 	}
 	for _, o := range []outcome{outcomeAllowed, outcomeDenied, outcomeUnavailable} {
@@ -149,7 +159,7 @@ func (m *collectors) register(reg *prometheus.Registry) error {
 		return nil
 	}
 	for _, c := range []prometheus.Collector{m.decisions, m.denials, m.charged, m.local,
-		m.redisDuration, m.redisErrors, m.breakerTransitions, m.breakerOpen} {
+		m.redisDuration, m.redisErrors, m.breakerTransitions, m.breakerOpen, m.settlements} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if errors.As(err, &are) && are.ExistingCollector == c {
@@ -185,6 +195,18 @@ func (b breakerCollector) Collect(ch chan<- prometheus.Metric) {
 // start; call it deferred.
 func observeRedisCall(start time.Time) {
 	tbMetrics.redisDuration.Observe(time.Since(start).Seconds())
+}
+
+// Outcomes of settlements_total besides llm.Status names.
+const (
+	settledOutcome      = "settled"
+	settleFailedOutcome = "failed"
+)
+
+// countSettlement counts a settlement by outcome: settled, failed, or the
+// llm.Status of a response whose usage could not be used.
+func countSettlement(outcome string) {
+	tbMetrics.settlements.WithLabelValues(outcome).Inc()
 }
 
 // breakerChanged counts a breaker's state change. It runs inside the

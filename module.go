@@ -208,6 +208,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := h.validate(); err != nil {
 		return err
 	}
+	if err := h.Estimate.provision(); err != nil {
+		return err
+	}
 	h.tiers, h.deflt = compileTiers(h.Dimensions, h.Tiers, h.DefaultTier, h.LocalShare)
 	h.idKeys = make([]string, len(h.Dimensions))
 	for i, d := range h.Dimensions {
@@ -325,10 +328,7 @@ func (h *Handler) decided(w http.ResponseWriter, r *http.Request, next caddyhttp
 	setPlaceholders(repl, req.limits, d)
 	h.observe(r, t, req, d, false)
 	if h.Settle != nil && req.hasTokens() {
-		rec := &recorder{ResponseWriter: w, tailCap: DefaultSettleTail}
-		err := next.ServeHTTP(rec, r)
-		h.settle(r, repl, req, rec)
-		return err
+		return h.serveSettled(w, r, next, repl, req)
 	}
 	return next.ServeHTTP(w, r)
 }

@@ -113,6 +113,9 @@ type request struct {
 	limits    []*limit
 	tokensCap int64 // the smallest capacity of its tokens limits; -1: none
 	demoted   bool  // decided on a demotion's penalty tier, or demoted by this denial
+	// streamUsage: the body was sent on with stream_options.include_usage
+	// added, so the usage chunks are taken out of the response.
+	streamUsage bool
 }
 
 // requestOf1 and requestOf4 hold a request and the arrays its slices use,
@@ -228,7 +231,7 @@ func (in *inputs) tokensCost(h *Handler, capacity int64) (int64, error) {
 	if !in.costSet {
 		var err error
 		if h.Estimate != nil {
-			in.est, err = h.Estimate.estimate(in.w, in.r)
+			in.est, err = h.Estimate.estimate(in.w, in.r, h.Settle != nil && h.Settle.IncludeUsage)
 		} else {
 			in.cost, err = parseCost(in.repl.ReplaceAll(h.Cost, ""))
 		}
@@ -290,6 +293,7 @@ func (h *Handler) price(in *inputs, req *request) error {
 			req.takes[i].Cost = c
 		}
 	}
+	req.streamUsage = in.est.streamUsage
 	return nil
 }
 

@@ -29,6 +29,10 @@ targets=(
 	.:FuzzParseCost
 	.:FuzzCaddyfile
 	.:FuzzNormalizeIdentity
+	./llm:FuzzParseRequest
+	./llm:FuzzWithStreamUsage
+	./llm:FuzzUsageReader
+	./llm:FuzzUsageChunkFilter
 )
 
 # count_files prints the number of files under a directory, 0 if none.
