@@ -3,6 +3,7 @@ package llm
 import (
 	"bytes"
 	"errors"
+	"io"
 	"strings"
 	"testing"
 )
@@ -240,5 +241,26 @@ func TestUsageChunkFilterAllocs(t *testing.T) {
 	}
 	if allocs != 0 {
 		t.Errorf("%v allocations per stream, want 0", allocs)
+	}
+}
+
+// BenchmarkUsageChunkFilter: filtering a 200-chunk stream with
+// include_usage, written an event at a time.
+func BenchmarkUsageChunkFilter(b *testing.B) {
+	stream := chatStream(200)
+	writes := make([][]byte, len(stream))
+	size := 0
+	for i, e := range stream {
+		writes[i] = []byte(e)
+		size += len(e)
+	}
+	b.ReportAllocs()
+	b.SetBytes(int64(size))
+	for b.Loop() {
+		f := NewUsageChunkFilter(io.Discard)
+		for _, w := range writes {
+			f.Write(w)
+		}
+		f.Close()
 	}
 }
