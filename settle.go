@@ -77,6 +77,7 @@ func (rec *usageRecorder) WriteHeader(code int) {
 		if rec.filterUsage && (ce == "" || strings.EqualFold(ce, "identity")) &&
 			strings.HasPrefix(strings.ToLower(ct), "text/event-stream") {
 			rec.filter = llm.NewUsageChunkFilter(rec.ResponseWriter)
+			hdr.Del("Content-Length") // the filter shortens the body
 		}
 	}
 	rec.ResponseWriter.WriteHeader(code)
@@ -103,7 +104,9 @@ func (rec *usageRecorder) Unwrap() http.ResponseWriter { return rec.ResponseWrit
 
 // finish writes what the filter holds back and returns the tokens the
 // response reports: the header's with settle.header, else the body's.
-func (rec *usageRecorder) finish(s *Settle) (int64, llm.Status) {
+// partial means the count is a floor: an Anthropic stream cut after
+// message_start reports its input, and an output that had only begun.
+func (rec *usageRecorder) finish(s *Settle) (used int64, status llm.Status, partial bool) {
 	if rec.filter != nil {
 		_ = rec.filter.Close()
 		rec.filter = nil
@@ -111,21 +114,21 @@ func (rec *usageRecorder) finish(s *Settle) (int64, llm.Status) {
 	if s.Header != "" {
 		v := strings.TrimSpace(rec.Header().Get(s.Header))
 		if v == "" {
-			return 0, llm.NotReported
+			return 0, llm.NotReported, false
 		}
 		n, err := parseCost(v)
 		if err != nil {
-			return 0, llm.Invalid
+			return 0, llm.Invalid, false
 		}
-		return n, llm.Found
+		return n, llm.Found, false
 	}
 	if rec.usage == nil {
-		return 0, llm.NotReported
+		return 0, llm.NotReported, false
 	}
 	u, status := rec.usage.Result()
 	rec.usage.Release()
 	rec.usage = nil
-	return u.Total(), status
+	return u.Total(), status, u.Partial
 }
 
 // serveSettled calls next with the response recorded for usage and
@@ -142,7 +145,7 @@ func (h *Handler) serveSettled(w http.ResponseWriter, r *http.Request, next cadd
 // settle charges or gives back the difference between the request's
 // estimate and the usage its response reports, after the response.
 func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, req *request, rec *usageRecorder) {
-	used, status := rec.finish(h.Settle)
+	used, status, partial := rec.finish(h.Settle)
 	if status != llm.Found {
 		countSettlement(status.String())
 		if status == llm.Invalid || status == llm.Unreadable {
@@ -155,7 +158,11 @@ func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, req *request, re
 	var adj []bucket.Adjust
 	for i, l := range req.limits {
 		if l.tokens {
-			if delta := used - req.takes[i].Cost; delta != 0 {
+			delta := used - req.takes[i].Cost
+			if partial {
+				delta = max(delta, 0) // a floor only: never a refund
+			}
+			if delta != 0 {
 				keys, adj = append(keys, req.keys[i]), append(adj, bucket.Adjust{Spec: l.spec, Delta: delta})
 			}
 		}

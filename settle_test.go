@@ -49,7 +49,7 @@ func record(t *testing.T, s *Settle, filter bool, header http.Header, body []byt
 		}
 		body = body[k:]
 	}
-	used, status := rec.finish(s)
+	used, status, _ := rec.finish(s)
 	return w, used, status
 }
 
@@ -206,4 +206,22 @@ func mustRate(b *testing.B, s string) bucket.Rate {
 		b.Fatal(err)
 	}
 	return r
+}
+
+// TestUsageRecorderPartialAnthropic: an Anthropic stream cut after
+// message_start reports its input and an output that had only begun: a
+// floor, which settle never turns into a refund.
+func TestUsageRecorderPartialAnthropic(t *testing.T) {
+	stream := "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"type\":\"message\",\"role\":\"assistant\",\"content\":[],\"model\":\"claude\"," +
+		"\"usage\":{\"input_tokens\":25,\"cache_creation_input_tokens\":3,\"cache_read_input_tokens\":2,\"output_tokens\":1}}}\n\n"
+	w := httptest.NewRecorder()
+	w.Header().Set("Content-Type", "text/event-stream")
+	rec := &usageRecorder{ResponseWriter: w}
+	if _, err := rec.Write([]byte(stream)); err != nil {
+		t.Fatal(err)
+	}
+	used, status, partial := rec.finish(&Settle{})
+	if used != 31 || status != llm.Found || !partial {
+		t.Errorf("cut after message_start: %d %v partial %v, want 31 found partial", used, status, partial)
+	}
 }
