@@ -1,0 +1,80 @@
+package providertest
+
+import "encoding/json"
+
+// Anthropic's Messages API, as its reference documents it.
+
+// anthropicUsage is a usage object of the Messages API; output is what
+// it reports as output_tokens (1 in message_start).
+func anthropicUsage(u *Usage, output int64) any {
+	if u == nil {
+		return nil
+	}
+	return obj(
+		"input_tokens", u.Input,
+		"cache_creation_input_tokens", u.CacheCreation,
+		"cache_read_input_tokens", u.Cached,
+		"cache_creation", obj("ephemeral_5m_input_tokens", u.CacheCreation, "ephemeral_1h_input_tokens", 0),
+		"output_tokens", output,
+		"service_tier", "standard",
+	)
+}
+
+func messageID(*Request) string { return "msg_test" }
+
+// message is a message object; without usage, it has no usage member.
+func message(req *Request, content []any, stopReason any, usage any) json.RawMessage {
+	kv := []any{
+		"id", messageID(req),
+		"type", "message",
+		"role", "assistant",
+		"model", modelOf(req, "claude-sonnet-4-5"),
+		"content", content,
+		"stop_reason", stopReason,
+		"stop_sequence", nil,
+	}
+	if usage != nil {
+		kv = append(kv, "usage", usage)
+	}
+	return obj(kv...)
+}
+
+func messagesJSON(req *Request, rep *Reply) json.RawMessage {
+	var out int64
+	if rep.Usage != nil {
+		out = rep.Usage.Output
+	}
+	return message(req, []any{obj("type", "text", "text", rep.Text)}, "end_turn", anthropicUsage(rep.Usage, out))
+}
+
+// messagesStream is a Messages stream: message_start (its message's usage
+// has the input and cache tokens and output_tokens 1), a text content
+// block (content_block_start, a ping, one content_block_delta per word,
+// content_block_stop), message_delta with the cumulative output_tokens,
+// and message_stop.
+func messagesStream(req *Request, rep *Reply) []event {
+	ev := func(name string, data []byte) string {
+		return "event: " + name + "\ndata: " + string(data) + "\n\n"
+	}
+	events := []event{
+		{text: ev("message_start", obj("type", "message_start", "message",
+			message(req, []any{}, nil, anthropicUsage(rep.Usage, 1))))},
+		{text: ev("content_block_start", obj("type", "content_block_start", "index", 0,
+			"content_block", obj("type", "text", "text", "")))},
+		{text: ev("ping", []byte(`{"type": "ping"}`))},
+	}
+	for _, w := range words(rep.Text) {
+		events = append(events, event{text: ev("content_block_delta", obj("type", "content_block_delta", "index", 0,
+			"delta", obj("type", "text_delta", "text", w)))})
+	}
+	delta := []any{"type", "message_delta", "delta", obj("stop_reason", "end_turn", "stop_sequence", nil)}
+	if rep.Usage != nil {
+		delta = append(delta, "usage", obj("output_tokens", rep.Usage.Output))
+	}
+	events = append(events,
+		event{text: ev("content_block_stop", obj("type", "content_block_stop", "index", 0))},
+		event{text: ev("message_delta", obj(delta...)), usage: rep.Usage != nil},
+		event{text: ev("message_stop", obj("type", "message_stop")), end: true},
+	)
+	return events
+}
