@@ -8,8 +8,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"mime"
 	"net/http"
-	"net/http/httptest"
 	"net/http/httptrace"
 	"os"
 	"strconv"
@@ -24,54 +24,84 @@ import (
 	"github.com/caddyserver/caddy/v2/caddytest"
 
 	"github.com/token-bucket/token_bucket/bucket"
+	"github.com/token-bucket/token_bucket/internal/providertest"
 	"github.com/token-bucket/token_bucket/internal/redistest"
 )
 
 // ---------------------------------------------------------------------------
-// A fake LLM API: OpenAI chat completions and Anthropic messages, JSON and
-// server-sent events, with the usage a test asks for.
+// The LLM API behind the gateway: providertest's stand-in for OpenAI's chat
+// completions and Anthropic's messages, JSON and server-sent events, with
+// the usage a test asks for.
 
-// llmUpstream is an in-process LLM API on 127.0.0.1. Each request is
-// controlled by headers that reverse_proxy passes through:
+// llmUpstream is a providertest server whose answers are controlled by
+// headers that reverse_proxy passes through:
 //
 //	X-Test-Usage: <a>,<b>      usage to report: prompt_tokens,completion_tokens
 //	                           (OpenAI) or input_tokens,output_tokens
 //	                           (Anthropic); absent: no usage object
 //	X-Test-Tokens-Used: <n>    echoed as the response header X-Tokens-Used
 //
-// "stream": true in the body makes it stream (text/event-stream, one flush
-// per event); OpenAI streams end with a usage chunk only when
-// stream_options.include_usage is true. Every answer carries X-Body-Sha256
-// and X-Body-Length of the body it received. When keys are watched, it
-// reads them from Redis as it answers: the buckets after the limiter's
-// charge and before its settlement.
+// "stream": true in the body makes it stream (one flush per event); OpenAI
+// streams end with a usage chunk only when stream_options.include_usage is
+// true. Every answer carries X-Body-Sha256 and X-Body-Length of the body
+// it received; a body that is not JSON is answered as an empty request.
+// When keys are watched, it reads them from Redis as it answers: the
+// buckets after the limiter's charge and before its settlement.
 type llmUpstream struct {
-	srv *httptest.Server
+	*providertest.Server
 
 	mu    sync.Mutex
 	rdb   *redis.Client
 	watch []string
-	gate  chan struct{} // non-nil: a stream waits for it after its first event
-	seen  []llmSeen
 }
 
 // llmSeen is what the upstream saw of one request.
 type llmSeen struct {
-	path   string
-	sha256 string
-	length int
-	state  map[string]string // watched keys: raw values ("" for none)
+	providertest.Request
+	state map[string]string // watched keys: raw values ("" for none)
 }
 
 func startLLMUpstream(t *testing.T) *llmUpstream {
 	t.Helper()
-	u := &llmUpstream{}
-	u.srv = httptest.NewServer(http.HandlerFunc(u.serve))
-	t.Cleanup(func() {
-		u.release()
-		u.srv.Close()
-	})
+	u := &llmUpstream{Server: providertest.Start(t)}
+	u.AcceptInvalidJSON()
+	u.SetReply(llmTestReply)
+	u.SetHook(u.readWatched)
 	return u
+}
+
+// llmTestReply answers as the request's X-Test-* headers ask.
+func llmTestReply(r *providertest.Request) providertest.Reply {
+	sum := sha256.Sum256(r.Body)
+	rep := providertest.Reply{Header: http.Header{}}
+	rep.Header.Set("X-Body-Sha256", hex.EncodeToString(sum[:]))
+	rep.Header.Set("X-Body-Length", strconv.Itoa(len(r.Body)))
+	if v := r.Header.Get("X-Test-Tokens-Used"); v != "" {
+		rep.Header.Set("X-Tokens-Used", v)
+	}
+	if a, b, ok := llmTestUsage(r.Header.Get("X-Test-Usage")); ok {
+		rep.Usage = &providertest.Usage{Input: a, Output: b}
+	}
+	return rep
+}
+
+// readWatched records the watched keys' values in the request's notes.
+func (u *llmUpstream) readWatched(r *providertest.Request) error {
+	u.mu.Lock()
+	rdb, watch := u.rdb, u.watch
+	u.mu.Unlock()
+	if len(watch) == 0 {
+		return nil
+	}
+	r.Notes = make(map[string]string, len(watch))
+	for _, k := range watch {
+		v, err := rdb.Get(context.Background(), k).Result()
+		if err != nil && err != redis.Nil {
+			return err
+		}
+		r.Notes[k] = v
+	}
+	return nil
 }
 
 // watchKeys makes the upstream read keys from rdb on every request.
@@ -82,90 +112,24 @@ func (u *llmUpstream) watchKeys(rdb *redis.Client, keys ...string) {
 }
 
 // hold makes streams wait after their first event until release.
-func (u *llmUpstream) hold() {
-	u.mu.Lock()
-	defer u.mu.Unlock()
-	u.gate = make(chan struct{})
-}
+func (u *llmUpstream) hold() { u.Hold() }
 
-func (u *llmUpstream) release() {
-	u.mu.Lock()
-	defer u.mu.Unlock()
-	if u.gate != nil {
-		close(u.gate)
-		u.gate = nil
-	}
-}
+func (u *llmUpstream) release() { u.Release() }
 
 // requests returns what the upstream has seen so far.
 func (u *llmUpstream) requests() []llmSeen {
-	u.mu.Lock()
-	defer u.mu.Unlock()
-	return append([]llmSeen(nil), u.seen...)
+	var out []llmSeen
+	for _, r := range u.Requests() {
+		out = append(out, llmSeen{Request: r, state: r.Notes})
+	}
+	return out
 }
 
 // last returns the last request the upstream saw.
 func (u *llmUpstream) last(t *testing.T) llmSeen {
 	t.Helper()
-	seen := u.requests()
-	if len(seen) == 0 {
-		t.Fatal("the upstream saw no request")
-	}
-	return seen[len(seen)-1]
-}
-
-func (u *llmUpstream) serve(w http.ResponseWriter, r *http.Request) {
-	body, err := io.ReadAll(r.Body)
-	if err != nil {
-		http.Error(w, err.Error(), http.StatusBadRequest)
-		return
-	}
-	sum := sha256.Sum256(body)
-	seen := llmSeen{path: r.URL.Path, sha256: hex.EncodeToString(sum[:]), length: len(body)}
-	u.mu.Lock()
-	rdb, watch, gate := u.rdb, u.watch, u.gate
-	u.mu.Unlock()
-	if len(watch) > 0 {
-		seen.state = make(map[string]string, len(watch))
-		for _, k := range watch {
-			v, err := rdb.Get(r.Context(), k).Result()
-			if err != nil && err != redis.Nil {
-				http.Error(w, err.Error(), http.StatusInternalServerError)
-				return
-			}
-			seen.state[k] = v
-		}
-	}
-	u.mu.Lock()
-	u.seen = append(u.seen, seen)
-	u.mu.Unlock()
-
-	var req struct {
-		Stream        bool `json:"stream"`
-		StreamOptions struct {
-			IncludeUsage bool `json:"include_usage"`
-		} `json:"stream_options"`
-	}
-	_ = json.Unmarshal(body, &req) // a body that is not JSON gets a JSON answer
-	h := w.Header()
-	h.Set("X-Body-Sha256", seen.sha256)
-	h.Set("X-Body-Length", strconv.Itoa(seen.length))
-	if v := r.Header.Get("X-Test-Tokens-Used"); v != "" {
-		h.Set("X-Tokens-Used", v)
-	}
-	a, b, hasUsage := llmTestUsage(r.Header.Get("X-Test-Usage"))
-	switch {
-	case r.URL.Path == "/v1/chat/completions" && req.Stream:
-		llmStream(w, r, gate, openAIStream(a, b, hasUsage && req.StreamOptions.IncludeUsage))
-	case r.URL.Path == "/v1/chat/completions":
-		llmJSON(w, openAIJSON(a, b, hasUsage))
-	case r.URL.Path == "/v1/messages" && req.Stream:
-		llmStream(w, r, gate, anthropicStream(a, b))
-	case r.URL.Path == "/v1/messages":
-		llmJSON(w, anthropicJSON(a, b, hasUsage))
-	default:
-		http.NotFound(w, r)
-	}
+	r := u.Last(t)
+	return llmSeen{Request: r, state: r.Notes}
 }
 
 // llmTestUsage reads X-Test-Usage: "<a>,<b>".
@@ -179,103 +143,8 @@ func llmTestUsage(v string) (a, b int64, ok bool) {
 	return a, b, err1 == nil && err2 == nil
 }
 
-func llmJSON(w http.ResponseWriter, body string) {
-	w.Header().Set("Content-Type", "application/json")
-	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
-	io.WriteString(w, body)
-}
-
-// llmStream writes events, flushing each; with a gate, it waits after the
-// first one until the gate closes.
-func llmStream(w http.ResponseWriter, r *http.Request, gate chan struct{}, events []string) {
-	w.Header().Set("Content-Type", "text/event-stream")
-	w.Header().Set("Cache-Control", "no-cache")
-	rc := http.NewResponseController(w)
-	for i, ev := range events {
-		if _, err := io.WriteString(w, ev); err != nil {
-			return
-		}
-		if err := rc.Flush(); err != nil {
-			return
-		}
-		if i == 0 && gate != nil {
-			select {
-			case <-gate:
-			case <-r.Context().Done():
-				return
-			}
-		}
-	}
-}
-
-func openAIJSON(prompt, completion int64, withUsage bool) string {
-	usage := ""
-	if withUsage {
-		usage = fmt.Sprintf(`,"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,`+
-			`"prompt_tokens_details":{"cached_tokens":0},"completion_tokens_details":{"reasoning_tokens":0}}`,
-			prompt, completion, prompt+completion)
-	}
-	return `{"id":"chatcmpl-test","object":"chat.completion","created":1700000000,"model":"gpt-test",` +
-		`"choices":[{"index":0,"message":{"role":"assistant","content":"Hello there."},"finish_reason":"stop"}]` +
-		usage + `}`
-}
-
-// openAIStream is a chat completion stream; with include_usage every chunk
-// has "usage":null and a last chunk with no choices carries the usage.
-func openAIStream(prompt, completion int64, withUsage bool) []string {
-	nullUsage := ""
-	if withUsage {
-		nullUsage = `,"usage":null`
-	}
-	chunk := func(delta, finish string) string {
-		return `data: {"id":"chatcmpl-test","object":"chat.completion.chunk","created":1700000000,"model":"gpt-test",` +
-			`"choices":[{"index":0,"delta":` + delta + `,"finish_reason":` + finish + `}]` + nullUsage + "}\n\n"
-	}
-	events := []string{
-		chunk(`{"role":"assistant","content":""}`, "null"),
-		chunk(`{"content":"Hello"}`, "null"),
-		chunk(`{"content":" there."}`, "null"),
-		chunk(`{}`, `"stop"`),
-	}
-	if withUsage {
-		events = append(events, fmt.Sprintf(`data: {"id":"chatcmpl-test","object":"chat.completion.chunk","created":1700000000,`+
-			`"model":"gpt-test","choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}`+"\n\n",
-			prompt, completion, prompt+completion))
-	}
-	return append(events, "data: [DONE]\n\n")
-}
-
-func anthropicJSON(input, output int64, withUsage bool) string {
-	usage := ""
-	if withUsage {
-		usage = fmt.Sprintf(`,"usage":{"input_tokens":%d,"cache_creation_input_tokens":0,"cache_read_input_tokens":0,"output_tokens":%d}`,
-			input, output)
-	}
-	return `{"id":"msg_test","type":"message","role":"assistant","model":"claude-test",` +
-		`"content":[{"type":"text","text":"Hello there."}],"stop_reason":"end_turn","stop_sequence":null` + usage + `}`
-}
-
-// anthropicStream is a Messages stream: message_start carries the input
-// tokens (and output_tokens 1 so far), message_delta the final output
-// tokens.
-func anthropicStream(input, output int64) []string {
-	ev := func(name, data string) string { return "event: " + name + "\ndata: " + data + "\n\n" }
-	return []string{
-		ev("message_start", fmt.Sprintf(`{"type":"message_start","message":{"id":"msg_test","type":"message","role":"assistant",`+
-			`"model":"claude-test","content":[],"stop_reason":null,"stop_sequence":null,`+
-			`"usage":{"input_tokens":%d,"cache_creation_input_tokens":0,"cache_read_input_tokens":0,"output_tokens":1}}}`, input)),
-		ev("content_block_start", `{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}`),
-		ev("ping", `{"type": "ping"}`),
-		ev("content_block_delta", `{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hello"}}`),
-		ev("content_block_delta", `{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":" there."}}`),
-		ev("content_block_stop", `{"type":"content_block_stop","index":0}`),
-		ev("message_delta", fmt.Sprintf(`{"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},"usage":{"output_tokens":%d}}`, output)),
-		ev("message_stop", `{"type":"message_stop"}`),
-	}
-}
-
 // ---------------------------------------------------------------------------
-// A gateway in front of the fake upstream.
+// A gateway in front of the upstream.
 
 // llmGateway is a Caddy with token_bucket and reverse_proxy in front of an
 // llmUpstream, and a client that keeps one connection: HTTP/1.1 serves the
@@ -327,7 +196,7 @@ func startLLMGateway(t *testing.T, limiter string) *llmGateway {
 		}
 	})
 	up := startLLMUpstream(t)
-	g := startGateway(t, llmSite(strings.TrimPrefix(up.srv.URL, "http://"), limiter))
+	g := startGateway(t, llmSite(up.Addr, limiter))
 	tr := &http.Transport{MaxConnsPerHost: 1, MaxIdleConnsPerHost: 1, DisableCompression: true}
 	t.Cleanup(tr.CloseIdleConnections)
 	return &llmGateway{e2eGateway: g, up: up, client: &http.Client{Transport: tr, Timeout: time.Minute}}
@@ -349,6 +218,9 @@ func (lg *llmGateway) do(ctx context.Context, method, path, body string, headers
 		return e2eResponse{}, err
 	}
 	req.Header.Set("Content-Type", "application/json")
+	if path == "/v1/messages" {
+		req.Header.Set("Anthropic-Version", "2023-06-01") // required, as Anthropic's clients send it
+	}
 	for i := 0; i+1 < len(headers); i += 2 {
 		req.Header.Set(headers[i], headers[i+1])
 	}
@@ -549,6 +421,109 @@ func TestSettleEndToEnd(t *testing.T) {
 	}
 }
 
+// longAnswer is an answer long enough for Caddy's encode to compress (its
+// default minimum_length is 512 bytes).
+var longAnswer = strings.Repeat("The gateway settles what the provider reports, not what it guessed. ", 12)
+
+// wantCoded checks that an answer came in the content coding wanted ("":
+// none) and carries a usage object once decoded.
+func wantCoded(t *testing.T, r e2eResponse, coding string) {
+	t.Helper()
+	if got := r.header.Get("Content-Encoding"); got != coding {
+		t.Fatalf("Content-Encoding %q, want %q", got, coding)
+	}
+	body, err := providertest.Decode(coding, []byte(r.body))
+	if err != nil {
+		t.Fatalf("decoding the %s answer: %v", coding, err)
+	}
+	if !strings.Contains(string(body), `"usage":{`) {
+		t.Fatalf("the decoded answer has no usage: %s", body)
+	}
+	if coding != "" && strings.Contains(r.body, `"usage"`) {
+		t.Fatal("the answer reads as plain text")
+	}
+}
+
+// TestProviderCompressedAnswersSettle: the provider compresses a JSON
+// answer in a coding the client's Accept-Encoding allows (reverse_proxy
+// passes the header on, and the answer back as it is): gzip, deflate
+// (zlib) or zstd. The gateway settles from it exactly as from a plain one:
+// 320 used of the 500 estimated.
+func TestProviderCompressedAnswersSettle(t *testing.T) {
+	lg := startLLMGateway(t, llmLimiter("user 10000 1/1h tokens", "cost estimate\n\t\t\tsettle"))
+	spec := llmSpec(t, 10000, "1/1h")
+	for _, tc := range []struct{ name, path, body, coding string }{
+		{"openai_identity", "/v1/chat/completions", chat500, ""},
+		{"openai_gzip", "/v1/chat/completions", chat500, "gzip"},
+		{"openai_deflate", "/v1/chat/completions", chat500, "deflate"},
+		{"openai_zstd", "/v1/chat/completions", chat500, "zstd"},
+		{"anthropic_gzip", "/v1/messages", messages500, "gzip"},
+		{"anthropic_zstd", "/v1/messages", messages500, "zstd"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			lg.t = t
+			user := "coded-" + tc.name
+			key := bucket.NewKeyer("rl:", "").Key("user", user, "tokens")
+			lg.up.watchKeys(lg.rdb, key)
+			accept := "gzip, deflate, zstd" // a provider that compresses nothing
+			if tc.coding != "" {
+				lg.up.SetEncodings(tc.coding)
+				accept = tc.coding
+			} else {
+				lg.up.SetEncodings()
+			}
+			r := lg.post(tc.path, tc.body, "X-User", user, "X-Test-Usage", "100,220", "Accept-Encoding", accept)
+			if r.status != http.StatusOK {
+				t.Fatalf("status %d: %s", r.status, r.body)
+			}
+			wantCoded(t, r, tc.coding)
+			if ae := lg.up.last(t).Header.Get("Accept-Encoding"); ae != accept {
+				t.Errorf("the provider got Accept-Encoding %q, want the client's %q", ae, accept)
+			}
+			lg.sync()
+			lg.wantSettled(tc.name, key, spec, lg.up.last(t), 320-500, 10000-320)
+		})
+	}
+}
+
+// TestProviderEncodeCompressedAnswersSettle: Caddy's encode in front of
+// reverse_proxy compresses what the provider sends plain, JSON answers and
+// event streams alike, in gzip or zstd as the client allows; token_bucket,
+// which the directive order puts before encode, settles from what encode
+// wrote exactly as from a plain answer: 320 used of the 500 estimated.
+func TestProviderEncodeCompressedAnswersSettle(t *testing.T) {
+	lg := startLLMGateway(t, llmLimiter("user 10000 1/1h tokens", "cost estimate\n\t\t\tsettle")+"\n\t\tencode zstd gzip")
+	lg.up.SetEncodings()
+	lg.up.SetReply(func(r *providertest.Request) providertest.Reply {
+		rep := llmTestReply(r)
+		rep.Text = longAnswer
+		return rep
+	})
+	spec := llmSpec(t, 10000, "1/1h")
+	for _, tc := range []struct{ name, path, body, coding string }{
+		{"openai_json_gzip", "/v1/chat/completions", chat500, "gzip"},
+		{"openai_json_zstd", "/v1/chat/completions", chat500, "zstd"},
+		{"openai_stream_gzip", "/v1/chat/completions", chatStream500, "gzip"},
+		{"openai_stream_zstd", "/v1/chat/completions", chatStream500, "zstd"},
+		{"anthropic_json_gzip", "/v1/messages", messages500, "gzip"},
+		{"anthropic_stream_gzip", "/v1/messages", messagesStream500, "gzip"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			lg.t = t
+			user := "encoded-" + tc.name
+			key := bucket.NewKeyer("rl:", "").Key("user", user, "tokens")
+			lg.up.watchKeys(lg.rdb, key)
+			r := lg.post(tc.path, tc.body, "X-User", user, "X-Test-Usage", "100,220", "Accept-Encoding", tc.coding)
+			if r.status != http.StatusOK {
+				t.Fatalf("status %d: %s", r.status, r.body)
+			}
+			wantCoded(t, r, tc.coding)
+			lg.sync()
+			lg.wantSettled(tc.name, key, spec, lg.up.last(t), 320-500, 10000-320)
+		})
+	}
+}
+
 // TestSettleHeaderMode: with settle header X-Tokens-Used, the header's
 // count settles and the body (which reports other usage) is not read.
 func TestSettleHeaderMode(t *testing.T) {
@@ -693,7 +668,7 @@ func TestSettleStreamPassesThrough(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer res.Body.Close()
-	if res.StatusCode != http.StatusOK || res.Header.Get("Content-Type") != "text/event-stream" {
+	if mt, _, err := mime.ParseMediaType(res.Header.Get("Content-Type")); res.StatusCode != http.StatusOK || err != nil || mt != "text/event-stream" {
 		t.Fatalf("%d %q", res.StatusCode, res.Header.Get("Content-Type"))
 	}
 	br := bufio.NewReader(res.Body)
@@ -768,10 +743,10 @@ func TestSettleOnceDirect(t *testing.T) {
 	}
 }
 
-// TestSettleDebtIsCappedAndRefundsFill: one settlement moves a bucket by at
-// most one capacity either way, a debt never goes below minus one
-// capacity, and a bucket given back up to full is deleted (a missing key is
-// a full bucket), each step stored exactly as bucket.SettleState says.
+// TestSettleDebtIsCappedAndRefundsFill: a settlement moves a bucket by the
+// whole difference, but a debt never goes below minus one capacity, and a
+// bucket given back up to full is deleted (a missing key is a full
+// bucket), each step stored exactly as bucket.SettleState says.
 func TestSettleDebtIsCappedAndRefundsFill(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
@@ -785,10 +760,10 @@ func TestSettleDebtIsCappedAndRefundsFill(t *testing.T) {
 	for i, step := range []struct {
 		delta, want int64 // want: whole tokens after; 1000 means deleted
 	}{
-		{5000, -1000}, // 0 − min(5000, 1000)
+		{5000, -1000}, // 0 − 5000 stops at −1000
 		{1, -1000},    // −1001 stops at −1000
-		{-3000, 0},    // −1000 + min(3000, 1000)
-		{-1000, 1000}, // full: deleted
+		{-1500, 500},  // −1000 + 1500: more than one capacity back
+		{-1000, 1000}, // 500 + 1000 stops at full: deleted
 	} {
 		before, _ := bucket.DecodeState(rdb.Get(ctx, key).Val())
 		if ok, err := store.Settle(ctx, "req-"+strconv.Itoa(i), []string{key}, []bucket.Adjust{{Spec: spec, Delta: step.delta}}); err != nil || !ok {
@@ -846,10 +821,11 @@ func TestRequestsAndTokensDenyTogether(t *testing.T) {
 	if r.status != http.StatusTooManyRequests || !strings.Contains(r.body, `"dimension":"user"`) {
 		t.Fatalf("alice 2: %d %s, want 429", r.status, r.body)
 	}
-	// The tokens bucket decided: 200 tokens short at 1 an hour.
+	// The tokens bucket decided: 200 tokens short at 1 an hour. A denial's
+	// RateLimit has the denying bucket's item only.
 	wantHeaders(t, "alice denied", r.header,
 		"Retry-After", "720000",
-		"RateLimit", `"user";r=2;t=3600, "user-tokens";r=400;t=720000`,
+		"RateLimit", `"user-tokens";r=400;t=720000`,
 		"X-RateLimit-Limit", "1000",
 		"X-RateLimit-Remaining", "400")
 	if reqAfter, tokAfter := both("alice"); reqAfter != reqBefore || tokAfter != tokBefore {
@@ -872,7 +848,7 @@ func TestRequestsAndTokensDenyTogether(t *testing.T) {
 	}
 	wantHeaders(t, "bob denied", r.header,
 		"Retry-After", "3600",
-		"RateLimit", `"user";r=0;t=3600, "user-tokens";r=970;t=108000`,
+		"RateLimit", `"user";r=0;t=3600`,
 		"X-RateLimit-Limit", "3",
 		"X-RateLimit-Remaining", "0")
 	if reqAfter, tokAfter := both("bob"); reqAfter != reqBefore || tokAfter != tokBefore {
@@ -890,8 +866,9 @@ func TestRequestsAndTokensDenyTogether(t *testing.T) {
 // TestOpenAIHeaders: openai_headers adds x-ratelimit-{limit,remaining,
 // reset}-{requests,tokens} as OpenAI sends them, resets as Go durations:
 // 10 requests an hour refill one in 6 minutes ("6m0s"); 500 tokens at 1000
-// a minute take 30 s ("30s"). A cost above the capacity is 429
-// cost_exceeds_capacity with x-should-retry: false and no Retry-After.
+// a minute take 30 s ("30s"). A prompt above the capacity is 429
+// cost_exceeds_capacity with x-should-retry: false and no Retry-After; a
+// budget above it is capped to it.
 func TestOpenAIHeaders(t *testing.T) {
 	lg := startLLMGateway(t, llmLimiter("user 10 10/1h\n\t\t\t\tuser 100000 1000/1m tokens", "cost estimate\n\t\t\topenai_headers"))
 	r := lg.post("/v1/chat/completions", chat500, "X-User", "alice")
@@ -913,10 +890,12 @@ func TestOpenAIHeaders(t *testing.T) {
 		"X-RateLimit-Remaining", "9",
 		"X-RateLimit-Reset", "360")
 
-	// A budget of 100001 tokens can never fit in 100000.
-	r = lg.post("/v1/chat/completions", `{"model":"gpt-test","messages":[],"max_tokens":100001}`, "X-User", "carol")
+	// A prompt of 100001 tokens (400004 characters) can never fit in
+	// 100000, whatever its budget (a budget alone is capped to fit).
+	huge := `{"model":"gpt-test","messages":[{"role":"user","content":"` + strings.Repeat("abcd", 100001) + `"}],"max_tokens":1}`
+	r = lg.post("/v1/chat/completions", huge, "X-User", "carol")
 	if r.status != http.StatusTooManyRequests {
-		t.Fatalf("carol: %d %s", r.status, r.body)
+		t.Fatalf("carol: %d %.300s", r.status, r.body)
 	}
 	const wantBody = `{"error":"cost_exceeds_capacity","cost":100001,"capacity":100000,"tier":"free","dimension":"user"}` + "\n"
 	if r.body != wantBody {
@@ -932,6 +911,17 @@ func TestOpenAIHeaders(t *testing.T) {
 		"x-ratelimit-limit-tokens", "100000",
 		"x-ratelimit-remaining-tokens", "100000",
 		"x-ratelimit-reset-tokens", "0s")
+
+	// A budget of 100001 tokens with no prompt is capped to the capacity:
+	// allowed, charged all of it.
+	r = lg.post("/v1/chat/completions", `{"model":"gpt-test","messages":[],"max_tokens":100001}`, "X-User", "carla")
+	if r.status != http.StatusOK {
+		t.Fatalf("carla: %d %s", r.status, r.body)
+	}
+	wantHeaders(t, "capped budget", r.header,
+		"X-Estimated-Cost", "100000",
+		"x-should-retry", "",
+		"x-ratelimit-remaining-tokens", "0")
 
 	// The whole capacity, then a request that must wait: the tokens reset
 	// is the wait, the same as Retry-After-Ms; a wait helps, so no
@@ -960,7 +950,7 @@ func TestOpenAIHeaders(t *testing.T) {
 		"x-ratelimit-reset-tokens", (time.Duration(ms) * time.Millisecond).String(),
 		"x-ratelimit-remaining-requests", "9")
 	// Requests headers are absent for a tier without a requests limit.
-	lg.load(llmSite(strings.TrimPrefix(lg.up.srv.URL, "http://"),
+	lg.load(llmSite(lg.up.Addr,
 		llmLimiter("user 100000 1000/1m tokens", "cost estimate\n\t\t\topenai_headers")))
 	lg.client.Transport.(*http.Transport).CloseIdleConnections()
 	r = lg.post("/v1/chat/completions", chat500, "X-User", "erin")
@@ -976,7 +966,8 @@ func TestOpenAIHeaders(t *testing.T) {
 // (a user's and an API key's), x-ratelimit-reset-tokens is the longest
 // wait, the one Retry-After gives: a client that waited only the shorter
 // one would be denied again. A cost above a capacity is the constraint
-// over any wait.
+// over any wait. x-should-retry is not one of these headers: every
+// cost_exceeds_capacity denial sends it (TestOpenAIHeaders).
 func TestOpenAIHeadersLongestWait(t *testing.T) {
 	spec := llmSpec(t, 1000, "1000/1m")
 	limits := []*limit{
@@ -985,26 +976,26 @@ func TestOpenAIHeadersLongestWait(t *testing.T) {
 		{dimension: "user", spec: llmSpec(t, 10, "10/1h")},
 	}
 	for _, tc := range []struct {
-		name                 string
-		results              []bucket.Result
-		remaining, reset     string
-		requestsReset, retry string
+		name             string
+		results          []bucket.Result
+		remaining, reset string
+		requestsReset    string
 	}{
 		{"longer_wait_second", []bucket.Result{
 			{Remaining: 900, Reason: bucket.RateLimited, RetryAfterMS: 10000},
 			{Remaining: 100, Reason: bucket.RateLimited, RetryAfterMS: 60000},
 			{Remaining: 9, FullMS: 360000},
-		}, "100", "1m0s", "6m0s", ""},
+		}, "100", "1m0s", "6m0s"},
 		{"longer_wait_first", []bucket.Result{
 			{Remaining: 100, Reason: bucket.RateLimited, RetryAfterMS: 60000},
 			{Remaining: 900, Reason: bucket.RateLimited, RetryAfterMS: 10000},
 			{Remaining: 9, FullMS: 360000},
-		}, "100", "1m0s", "6m0s", ""},
+		}, "100", "1m0s", "6m0s"},
 		{"cost_exceeds_capacity_over_a_wait", []bucket.Result{
 			{Remaining: 100, Reason: bucket.RateLimited, RetryAfterMS: 60000},
 			{Remaining: 1000, Reason: bucket.CostExceedsCapacity},
 			{Remaining: 10},
-		}, "1000", "0s", "0s", "false"},
+		}, "1000", "0s", "0s"},
 	} {
 		d := bucket.Summarize(tc.results)
 		hdr := http.Header{}
@@ -1016,7 +1007,7 @@ func TestOpenAIHeadersLongestWait(t *testing.T) {
 			"x-ratelimit-remaining-tokens", tc.remaining,
 			"x-ratelimit-reset-tokens", tc.reset,
 			"x-ratelimit-reset-requests", tc.requestsReset,
-			"x-should-retry", tc.retry)
+			"x-should-retry", "")
 		if want := (time.Duration(d.RetryAfterMS) * time.Millisecond).String(); d.Reason == bucket.RateLimited && tc.reset != want {
 			t.Errorf("%s: the test wants reset %s, Retry-After-Ms says %s", tc.name, tc.reset, want)
 		}
