@@ -1,0 +1,161 @@
+// run.mjs: drives the official OpenAI and Anthropic SDKs against a gateway,
+// the way applications use them, and prints one JSON line of results.
+//
+//   node run.mjs <scenario> <base URL>
+//
+// The base URL is the gateway's root (http://127.0.0.1:<port>); the OpenAI
+// client gets <base URL>/v1, the Anthropic client the root, as each SDK
+// expects. SDK_OPTIONS (JSON, optional) adjusts a run:
+//
+//   apiKey      the API key (default sk-test-key)
+//   headers     default headers of the client (e.g. {"X-User": "alice"})
+//   maxRetries  the client's maxRetries (default: the SDK's, 2)
+//   params      merged into the scenario's request parameters
+//   repeat      calls made one after the other (default 1)
+//
+// For each call it prints what the SDK returned (for a stream, every chunk
+// or event and the final message), the error it threw (status, code, type,
+// param, the error object, headers), and every HTTP attempt the SDK made,
+// seen through the fetch function passed to the client: when it started
+// and when its headers arrived (performance.now(), in milliseconds), its
+// status and headers, the request body, and the body of an error answer.
+// A thrown error is a result, not a failure: the exit status is 0 unless
+// the script itself breaks.
+
+import OpenAI from 'openai';
+import Anthropic from '@anthropic-ai/sdk';
+
+const [scenario, baseURL] = process.argv.slice(2);
+if (!scenario || !baseURL) {
+  console.error('usage: node run.mjs <scenario> <base URL>');
+  process.exit(2);
+}
+const options = JSON.parse(process.env.SDK_OPTIONS || '{}');
+const root = baseURL.replace(/\/+$/, '');
+
+// attempts collects the HTTP attempts of the current call.
+let attempts = [];
+
+async function recordingFetch(url, init = {}) {
+  const attempt = {
+    start: performance.now(),
+    method: init.method || 'GET',
+    url: String(url),
+    requestHeaders: Object.fromEntries(new Headers(init.headers || {})),
+    requestBody: typeof init.body === 'string' ? init.body : null,
+  };
+  attempts.push(attempt);
+  let res;
+  try {
+    res = await fetch(url, init);
+  } catch (err) {
+    attempt.end = performance.now();
+    attempt.fetchError = String(err && err.cause ? err.cause : err);
+    throw err;
+  }
+  attempt.end = performance.now();
+  attempt.status = res.status;
+  attempt.headers = Object.fromEntries(res.headers);
+  if (res.status >= 400) {
+    // Errors are small; read a copy so that the SDK still reads its own.
+    attempt.responseBody = await res.clone().text();
+  }
+  return res;
+}
+
+const clientOptions = (baseURL) => ({
+  baseURL,
+  apiKey: options.apiKey ?? 'sk-test-key',
+  ...(options.maxRetries !== undefined && { maxRetries: options.maxRetries }),
+  timeout: 120_000,
+  defaultHeaders: options.headers ?? {},
+  fetch: recordingFetch,
+});
+
+const openai = () => new OpenAI(clientOptions(root + '/v1'));
+const anthropic = () => new Anthropic(clientOptions(root));
+
+const params = (defaults) => ({ ...defaults, ...(options.params ?? {}) });
+
+const chatDefaults = {
+  model: 'gpt-4o-mini',
+  messages: [{ role: 'user', content: 'Say hello to the gateway.' }],
+};
+const claudeDefaults = {
+  model: 'claude-sonnet-4-5',
+  max_tokens: 256,
+  messages: [{ role: 'user', content: 'Say hello to the gateway.' }],
+};
+
+// Each scenario makes one call and returns what the SDK gave back.
+const scenarios = {
+  'openai.chat': async () => ({ result: await openai().chat.completions.create(params(chatDefaults)) }),
+
+  'openai.chat.stream': async () => {
+    const stream = await openai().chat.completions.create(params({ ...chatDefaults, stream: true }));
+    const chunks = [];
+    for await (const chunk of stream) chunks.push(chunk);
+    return { chunks };
+  },
+
+  'openai.responses': async () =>
+    ({ result: await openai().responses.create(params({ model: 'gpt-4o-mini', input: 'Say hello to the gateway.' })) }),
+
+  'openai.responses.stream': async () => {
+    const stream = await openai().responses.create(
+      params({ model: 'gpt-4o-mini', input: 'Say hello to the gateway.', stream: true }));
+    const chunks = [];
+    for await (const event of stream) chunks.push(event);
+    return { chunks };
+  },
+
+  'openai.embeddings': async () => {
+    const res = await openai().embeddings.create(
+      params({ model: 'text-embedding-3-small', input: ['the first text', 'the second text'] }));
+    // Float32Arrays (the SDK decodes base64) print as arrays.
+    return { result: { ...res, data: res.data.map((d) => ({ ...d, embedding: Array.from(d.embedding) })) } };
+  },
+
+  'anthropic.messages': async () => ({ result: await anthropic().messages.create(params(claudeDefaults)) }),
+
+  'anthropic.stream': async () => {
+    const stream = anthropic().messages.stream(params(claudeDefaults));
+    const chunks = [];
+    for await (const event of stream) chunks.push(event);
+    return { chunks, result: await stream.finalMessage() };
+  },
+};
+
+function describeError(err) {
+  const out = {
+    name: err?.name,
+    class: err?.constructor?.name,
+    message: String(err?.message ?? err),
+    isRateLimitError: err instanceof OpenAI.RateLimitError || err instanceof Anthropic.RateLimitError,
+    isAPIError: err instanceof OpenAI.APIError || err instanceof Anthropic.APIError,
+  };
+  for (const k of ['status', 'code', 'type', 'param', 'error', 'requestID']) {
+    if (err && err[k] !== undefined) out[k] = err[k];
+  }
+  if (err?.headers) out.headers = Object.fromEntries(err.headers);
+  return out;
+}
+
+const run = scenarios[scenario];
+if (!run) {
+  console.error(`unknown scenario ${scenario}; known: ${Object.keys(scenarios).join(', ')}`);
+  process.exit(2);
+}
+const calls = [];
+for (let i = 0; i < (options.repeat ?? 1); i++) {
+  attempts = [];
+  const call = {};
+  try {
+    Object.assign(call, await run());
+  } catch (err) {
+    call.error = describeError(err);
+  }
+  call.attempts = attempts;
+  calls.push(call);
+}
+process.stdout.write(JSON.stringify({ scenario, calls }) + '\n');
