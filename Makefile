@@ -1,7 +1,8 @@
 # Makefile: the commands of this repository. Each target does its own setup
-# on a fresh Debian machine with Go (redis-server is installed when missing).
+# on a fresh Debian machine with Go (redis-server, nodejs and npm are
+# installed when missing).
 
-.PHONY: run test bench fuzz fuzz-short soak fmt fmt-check vet redis build check-build clean
+.PHONY: run test bench fuzz fuzz-short soak fmt fmt-check vet redis node sdk build check-build clean
 
 # Run the demo gateway of Caddyfile.example on 127.0.0.1:8080 with its own Redis.
 run:
@@ -9,7 +10,7 @@ run:
 
 # Everything CI checks: a short fuzz run of every target, then every test.
 # go test runs last, so its summary lines end the output.
-test: redis vet fmt-check check-build fuzz-short
+test: redis sdk vet fmt-check check-build fuzz-short
 	go test -race -count=1 ./...
 
 FUZZTIME ?= 10
@@ -47,6 +48,18 @@ vet:
 # redis-server on PATH: the tests start their own on free ports.
 redis:
 	scripts/install-redis.sh
+
+# node and npm on PATH, for the SDK tests (sdk_test.go).
+node:
+	scripts/install-node.sh
+
+# The OpenAI and Anthropic SDKs of sdk/package-lock.json in sdk/node_modules,
+# installed again only when it is missing or the lock file changed.
+sdk: sdk/node_modules/.package-lock.json
+
+sdk/node_modules/.package-lock.json: sdk/package.json sdk/package-lock.json | node
+	cd sdk && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
 
 # bin/caddy (Caddy + this plugin, cached), its module list, and
 # caddy adapt / caddy validate of Caddyfile.example.
