@@ -3,10 +3,14 @@ package tokenbucket
 import (
 	"encoding/json"
 	"math/big"
+	"net/http/httptest"
 	"strings"
 	"testing"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+
+	"github.com/token-bucket/token_bucket/bucket"
+	"github.com/token-bucket/token_bucket/llm"
 )
 
 // The fuzz targets of the handler package. `go test` runs each over its
@@ -228,4 +232,53 @@ func fuzzRefCost(s string) (int64, bool) {
 		return 0, false
 	}
 	return n.Int64(), true
+}
+
+// FuzzSettle: whatever a response body holds, in whatever framing and
+// encoding, the usage the recorder reads is 0 to 2^53-1 tokens, and the
+// settlement it makes never gives a bucket back more than the request
+// was charged.
+func FuzzSettle(f *testing.F) {
+	f.Add([]byte(`{"usage":{"prompt_tokens":12,"completion_tokens":9,"total_tokens":21}}`), uint8(0), int64(100))
+	f.Add([]byte(`{"usage":{"prompt_tokens":-500,"completion_tokens":1}}`), uint8(0), int64(100))
+	f.Add([]byte(`{"usage":{"prompt_tokens":9223372036854775807,"completion_tokens":9223372036854775807}}`), uint8(1), int64(7))
+	f.Add([]byte("data: {\"choices\":[],\"usage\":{\"total_tokens\":3}}\n\n"), uint8(2), int64(1000))
+	f.Add([]byte("event: message_start\ndata: {\"message\":{\"usage\":{\"input_tokens\":5,\"output_tokens\":1}}}\n\n"), uint8(3), int64(50))
+	_, limits := answerTier(f, Limit{Dimension: "user", Capacity: MaxCost, RefillRate: 1, Unit: UnitTokens})
+	f.Fuzz(func(t *testing.T, body []byte, shape uint8, cost int64) {
+		if cost < 0 || cost > MaxCost {
+			return
+		}
+		w := httptest.NewRecorder()
+		if shape&2 != 0 {
+			w.Header().Set("Content-Type", "text/event-stream")
+		}
+		if shape&1 != 0 {
+			w.Header().Set("Content-Encoding", "gzip")
+			body = gzipped(t, string(body))
+		}
+		rec := &usageRecorder{ResponseWriter: w, filterUsage: shape&4 != 0}
+		for len(body) > 0 {
+			n := min(len(body), int(shape>>3)+1)
+			rec.Write(body[:n])
+			body = body[n:]
+		}
+		used, status, partial := rec.finish(&Settle{})
+		if status != llm.Found {
+			if used != 0 {
+				t.Fatalf("status %v with %d tokens", status, used)
+			}
+			return
+		}
+		if used < 0 || used > MaxCost {
+			t.Fatalf("usage %d out of 0..2^53-1", used)
+		}
+		req := &request{keys: []string{"k"}, limits: limits, takes: []bucket.Take{{Spec: limits[0].spec, Cost: cost}}}
+		_, adj := req.adjustments(used, partial)
+		for _, a := range adj {
+			if a.Delta < -cost {
+				t.Fatalf("used %d of %d charged: gives back %d", used, cost, -a.Delta)
+			}
+		}
+	})
 }

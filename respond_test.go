@@ -65,7 +65,7 @@ func TestHeaderValuesOwnedPerResponse(t *testing.T) {
 }
 
 // answerTier compiles one tier of limits for the answer tests.
-func answerTier(t *testing.T, limits ...Limit) (*tier, []*limit) {
+func answerTier(t testing.TB, limits ...Limit) (*tier, []*limit) {
 	t.Helper()
 	dims := []Dimension{{Name: "user", Identity: "{u}"}, {Name: "api_key", Identity: "{k}"}}
 	tiers, _ := compileTiers(dims, []Tier{{Name: "free", Limits: limits}}, "", 1)

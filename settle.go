@@ -154,19 +154,7 @@ func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, req *request, re
 		}
 		return // no usage to settle with: the estimate stands
 	}
-	var keys []string
-	var adj []bucket.Adjust
-	for i, l := range req.limits {
-		if l.tokens {
-			delta := used - req.takes[i].Cost
-			if partial {
-				delta = max(delta, 0) // a floor only: never a refund
-			}
-			if delta != 0 {
-				keys, adj = append(keys, req.keys[i]), append(adj, bucket.Adjust{Spec: l.spec, Delta: delta})
-			}
-		}
-	}
+	keys, adj := req.adjustments(used, partial)
 	repl.Set("http.token_bucket.tokens_used", used)
 	if len(keys) == 0 {
 		countSettlement(settledOutcome)
@@ -187,6 +175,26 @@ func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, req *request, re
 			h.denials.Forget(k) // tokens came back: let Redis decide again
 		}
 	}
+}
+
+// adjustments returns the settlement of req when its response reports
+// used tokens: for each tokens bucket whose charge differs, the difference.
+// used ≥ 0, so a bucket is never given back more than it was charged;
+// partial usage (a floor) is never given back at all.
+func (req *request) adjustments(used int64, partial bool) (keys []string, adj []bucket.Adjust) {
+	for i, l := range req.limits {
+		if !l.tokens {
+			continue
+		}
+		delta := used - req.takes[i].Cost
+		if partial {
+			delta = max(delta, 0)
+		}
+		if delta != 0 {
+			keys, adj = append(keys, req.keys[i]), append(adj, bucket.Adjust{Spec: l.spec, Delta: delta})
+		}
+	}
+	return keys, adj
 }
 
 // settler is a store that can settle.

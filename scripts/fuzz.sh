@@ -29,6 +29,7 @@ targets=(
 	.:FuzzParseCost
 	.:FuzzCaddyfile
 	.:FuzzNormalizeIdentity
+	.:FuzzSettle
 	./llm:FuzzParseRequest
 	./llm:FuzzWithStreamUsage
 	./llm:FuzzUsageReader
