@@ -221,11 +221,14 @@ func (a *AdminAPI) bucket(w http.ResponseWriter, r *http.Request, reset bool) er
 		return err
 	}
 	c := bt.h.conn
-	ctx, cancel := context.WithTimeout(r.Context(), max(c.timeout, time.Second))
-	defer cancel()
+	timeout := max(c.timeout, time.Second) // an operator waits longer than a request
 	var deleted *bool
 	if reset {
-		n, err := c.client.Del(ctx, bt.key).Result()
+		var n int64
+		err := c.call(r.Context(), timeout, func(ctx context.Context) (err error) {
+			n, err = c.client.Del(ctx, bt.key).Result()
+			return err
+		})
 		if err != nil {
 			return apiError(http.StatusServiceUnavailable, "redis: deleting the bucket: "+err.Error())
 		}
@@ -235,7 +238,11 @@ func (a *AdminAPI) bucket(w http.ResponseWriter, r *http.Request, reset bool) er
 		a.logger.Info("bucket reset", zap.Int("handler", bt.index), zap.String("tier", bt.tier.name),
 			zap.String("dimension", bt.limit.dimension), zap.String("key", bt.key), zap.Bool("deleted", d))
 	}
-	st, err := peek(ctx, c, bt.key, bt.limit.spec)
+	var st bucketState
+	err = c.call(r.Context(), timeout, func(ctx context.Context) (err error) {
+		st, err = peek(ctx, c, bt.key, bt.limit.spec)
+		return err
+	})
 	if err != nil {
 		return apiError(http.StatusServiceUnavailable, "redis: reading the bucket: "+err.Error())
 	}

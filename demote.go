@@ -1,6 +1,7 @@
 package tokenbucket
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/http"
@@ -109,14 +110,12 @@ func (h *Handler) serveDemote(w http.ResponseWriter, r *http.Request, next caddy
 	}
 	base := h.keyer.Key(h.demote.name, id, "")
 	var state bucket.Demotion
-	d, err := h.conn.breaker.Execute(func() (bucket.Decision, error) {
-		ctx, cancel := contextWithTimeout(r, h.conn.timeout)
-		defer cancel()
-		defer observeRedisCall(time.Now())
-		d, s, _, err := store.TakeDemote(ctx, base+":demoted", base+":denials", h.demote.rule,
+	var d bucket.Decision
+	err = h.conn.call(r.Context(), h.conn.timeout, func(ctx context.Context) error {
+		var err error
+		d, state, _, err = store.TakeDemote(ctx, base+":demoted", base+":denials", h.demote.rule,
 			req.keys, req.takes, preq.keys, preq.takes)
-		state = s
-		return d, err
+		return err
 	})
 	if err != nil {
 		return h.degraded(w, r, next, repl, t, req, err)

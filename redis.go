@@ -7,9 +7,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net/http"
 	"net/url"
 	"os"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -32,28 +32,51 @@ const (
 // RedisConfig says how to reach Redis: one server (the default), the master
 // of a Sentinel group, or a Cluster.
 type RedisConfig struct {
-	// URL is a redis:// or rediss:// URL of one server,
-	// redis://[user:password@]host:port[/db]; the fields below override its
-	// parts. Placeholders work, e.g. "{env.REDIS_URL}". Not with cluster or
-	// sentinel.
+	// URL is a redis:// or rediss:// (TLS) URL, read by go-redis's own
+	// parsers, so that one URL (e.g. "{env.REDIS_URL}"; placeholders work)
+	// can name any topology:
+	//
+	//   - one server: redis://[user:password@]host:port[/db]
+	//     (redis.ParseURL);
+	//   - Sentinels, when the URL has a master_name parameter or sentinel
+	//     is set: redis://[sentinel_user:sentinel_password@]host:port[/db]
+	//     ?master_name=<name>&addr=<host:port>&addr=...[&username=<user>]
+	//     [&password=<password>] (redis.ParseFailoverURL). As in go-redis,
+	//     the user and password before the host authenticate to the
+	//     Sentinels and the username and password parameters to the
+	//     master;
+	//   - Cluster seeds, when cluster is set: redis://[user:password@]
+	//     host:port?addr=<host:port>&addr=... (redis.ParseClusterURL); no
+	//     master_name, no db but 0.
+	//
+	// Each addr parameter adds a node to the one before the path. With
+	// rediss:// and several nodes, each connection verifies the host it
+	// dials (or tls_server_name), not the URL's first host. Of the other
+	// query parameters go-redis accepts, none is used: the timeout, pool
+	// size and breaker are the fields below, and retries are always off.
+	// The fields below override the URL's parts. Not with address. The
+	// URL's passwords never appear in an error or a log.
 	URL string `json:"url,omitempty"`
 	// Address is host:port: of the server (default "127.0.0.1:6379"), of
 	// the Sentinels with sentinel, or of some Cluster nodes (seeds) with
-	// cluster. Placeholders work.
+	// cluster. Placeholders work. Not with url.
 	Address []string `json:"address,omitempty"`
-	// Cluster means the addresses are Redis Cluster seeds. A request whose
-	// buckets fall on several slots is decided per slot and refunded where
-	// another slot denied; see bucket.Sharded.
+	// Cluster means the addresses (or the url's nodes) are Redis Cluster
+	// seeds. A request whose buckets fall on several slots is decided per
+	// slot and refunded where another slot denied; see bucket.Sharded.
 	Cluster bool `json:"cluster,omitempty"`
-	// Sentinel is the master name to ask the Sentinels at Address for; the
-	// client follows failovers.
+	// Sentinel is the master name to ask the Sentinels at Address (or the
+	// url's nodes) for; the client follows failovers. It overrides the
+	// url's master_name.
 	Sentinel string `json:"sentinel,omitempty"`
 	// SentinelPassword authenticates to the Sentinels (placeholders work).
+	// It overrides the password of a Sentinel url's user information.
 	SentinelPassword string `json:"sentinel_password,omitempty"`
-	// Username is the ACL user (Redis 6+). Placeholders work.
+	// Username is the ACL user (Redis 6+) of the server, the master or the
+	// Cluster nodes. Placeholders work.
 	Username string `json:"username,omitempty"`
-	// Password for AUTH. Placeholders work, e.g. "{env.REDIS_PASSWORD}";
-	// it is never logged.
+	// Password for AUTH to the server, the master or the Cluster nodes.
+	// Placeholders work, e.g. "{env.REDIS_PASSWORD}"; it is never logged.
 	Password string `json:"password,omitempty"`
 	// DB is the database number (default 0; Cluster has only 0).
 	DB int `json:"db,omitempty"`
@@ -90,9 +113,7 @@ func (c *RedisConfig) validate() error {
 		return fmt.Errorf("redis: url %q and address %q: set one, not both", redactURL(c.URL), c.Address)
 	case c.Cluster && c.Sentinel != "":
 		return fmt.Errorf("redis: cluster and sentinel %q: choose one", c.Sentinel)
-	case (c.Cluster || c.Sentinel != "") && c.URL != "":
-		return fmt.Errorf("redis.url %q: give cluster or sentinel nodes in address", redactURL(c.URL))
-	case (c.Cluster || c.Sentinel != "") && len(c.Address) == 0:
+	case (c.Cluster || c.Sentinel != "") && len(c.Address) == 0 && c.URL == "":
 		return errors.New("redis.address: cluster and sentinel need at least one address")
 	case !c.Cluster && c.Sentinel == "" && len(c.Address) > 1:
 		return fmt.Errorf("redis.address %q: one address for a single server (or set cluster or sentinel)", c.Address)
@@ -112,14 +133,105 @@ func (c *RedisConfig) validate() error {
 	return nil
 }
 
-// redactURL returns a redis URL for an error message, its password
-// replaced by "xxxxx".
+// redactURL returns a redis URL for an error message, its passwords (of
+// the user information and of a password parameter) replaced by "xxxxx".
 func redactURL(s string) string {
 	u, err := url.Parse(s)
 	if err != nil {
 		return "(unparsable)"
 	}
+	if q := u.Query(); q.Has("password") {
+		q.Set("password", "xxxxx")
+		u.RawQuery = q.Encode()
+	}
 	return u.Redacted()
+}
+
+// parseURL reads the redis URL s into o with go-redis's parser for its
+// topology: Cluster seeds with cluster, Sentinels with sentinel or a
+// master_name parameter, else one server. Only the nodes, credentials,
+// database, master name and TLS are taken from it.
+func (c *RedisConfig) parseURL(s string, o *redis.UniversalOptions) error {
+	u, err := url.Parse(s)
+	if err != nil {
+		return urlError(err, nil)
+	}
+	secrets := urlSecrets(u)
+	if u.Scheme != "redis" && u.Scheme != "rediss" {
+		return fmt.Errorf("redis.url: scheme %q: must be redis or rediss", u.Scheme)
+	}
+	q := u.Query()
+	switch {
+	case c.Cluster:
+		if q.Has("master_name") {
+			return errors.New("redis.url: master_name names a Sentinel master, not with cluster")
+		}
+		if db := strings.Trim(u.Path, "/"); db != "" && db != "0" {
+			return fmt.Errorf("redis.url: database %q: Redis Cluster has only db 0", db)
+		}
+		p, err := redis.ParseClusterURL(s)
+		if err != nil {
+			return urlError(err, secrets)
+		}
+		o.Addrs, o.Username, o.Password, o.TLSConfig = p.Addrs, p.Username, p.Password, p.TLSConfig
+	case c.Sentinel != "" || q.Has("master_name"):
+		p, err := redis.ParseFailoverURL(s)
+		if err != nil {
+			return urlError(err, secrets)
+		}
+		if p.MasterName == "" && c.Sentinel == "" {
+			return errors.New("redis.url: master_name is empty: name the master the Sentinels monitor")
+		}
+		o.Addrs, o.MasterName, o.SentinelUsername, o.SentinelPassword = p.SentinelAddrs, p.MasterName, p.SentinelUsername, p.SentinelPassword
+		o.Username, o.Password, o.DB, o.TLSConfig = p.Username, p.Password, p.DB, p.TLSConfig
+	default:
+		if q.Has("addr") {
+			return errors.New("redis.url: addr names more nodes: set cluster for Cluster seeds, or add master_name for Sentinels")
+		}
+		p, err := redis.ParseURL(s)
+		if err != nil {
+			return urlError(err, secrets)
+		}
+		o.Addrs, o.Username, o.Password, o.DB, o.TLSConfig = []string{p.Addr}, p.Username, p.Password, p.DB, p.TLSConfig
+		return nil
+	}
+	// go-redis names the URL's first host as the one to verify on every
+	// connection; Sentinels, their master and Cluster nodes are other
+	// hosts, so each connection verifies the host it dials.
+	if o.TLSConfig != nil {
+		o.TLSConfig.ServerName = ""
+		o.TLSConfig.MinVersion = max(o.TLSConfig.MinVersion, tls.VersionTLS12)
+	}
+	return nil
+}
+
+// urlSecrets returns the passwords a redis URL holds, as written and
+// decoded: of its user information and of its password parameter.
+func urlSecrets(u *url.URL) []string {
+	var out []string
+	if p, ok := u.User.Password(); ok && p != "" {
+		out = append(out, p, url.QueryEscape(p), url.PathEscape(p))
+	}
+	for _, p := range u.Query()["password"] {
+		if p != "" {
+			out = append(out, p, url.QueryEscape(p))
+		}
+	}
+	return out
+}
+
+// urlError is a parse error of redis.url without the URL's passwords: a
+// url.Error, which would echo the whole URL, is unwrapped, and any
+// password the message still holds is replaced by "xxxxx".
+func urlError(err error, secrets []string) error {
+	if ue := (*url.Error)(nil); errors.As(err, &ue) {
+		err = ue.Err
+	}
+	msg := err.Error()
+	for _, s := range secrets {
+		msg = strings.ReplaceAll(msg, s, "xxxxx")
+	}
+	return fmt.Errorf("redis.url: %s", msg)
 }
 
 // resolved is a RedisConfig with placeholders replaced and defaults set.
@@ -148,16 +260,9 @@ func (c *RedisConfig) resolve() (*resolved, error) {
 		if err != nil {
 			return nil, fmt.Errorf("redis.url: %v", err)
 		}
-		p, err := redis.ParseURL(u)
-		if err != nil {
-			// The URL may hold a password: not echoed, and url.Error
-			// would echo it.
-			if ue := (*url.Error)(nil); errors.As(err, &ue) {
-				err = ue.Err
-			}
-			return nil, fmt.Errorf("redis.url: %v", err)
+		if err := c.parseURL(u, o); err != nil {
+			return nil, err
 		}
-		o.Addrs, o.Username, o.Password, o.DB, o.TLSConfig = []string{p.Addr}, p.Username, p.Password, p.DB, p.TLSConfig
 	}
 	if len(c.Address) > 0 {
 		o.Addrs = make([]string, len(c.Address))
@@ -165,8 +270,12 @@ func (c *RedisConfig) resolve() (*resolved, error) {
 			o.Addrs[i] = repl.ReplaceKnown(a, "")
 		}
 	}
-	o.MasterName = c.Sentinel
-	o.SentinelPassword = repl.ReplaceKnown(c.SentinelPassword, "")
+	if c.Sentinel != "" {
+		o.MasterName = c.Sentinel
+	}
+	if c.SentinelPassword != "" {
+		o.SentinelPassword = repl.ReplaceKnown(c.SentinelPassword, "")
+	}
 	if c.Username != "" {
 		o.Username = repl.ReplaceKnown(c.Username, "")
 	}
@@ -233,12 +342,12 @@ func (r *resolved) timeout() time.Duration { return r.opt.ReadTimeout }
 func (r *resolved) key() string {
 	o := &r.opt
 	var serverName string
-	var roots bool
+	var roots, skipVerify bool
 	if o.TLSConfig != nil {
-		serverName, roots = o.TLSConfig.ServerName, o.TLSConfig.RootCAs != nil
+		serverName, roots, skipVerify = o.TLSConfig.ServerName, o.TLSConfig.RootCAs != nil, o.TLSConfig.InsecureSkipVerify
 	}
-	k, _ := json.Marshal([]any{o.Addrs, r.cluster, o.MasterName, o.SentinelPassword, o.Username, o.Password, o.DB,
-		o.TLSConfig != nil, serverName, roots, r.ca, o.ReadTimeout, o.PoolSize, r.failures, r.cooldown})
+	k, _ := json.Marshal([]any{o.Addrs, r.cluster, o.MasterName, o.SentinelUsername, o.SentinelPassword, o.Username, o.Password, o.DB,
+		o.TLSConfig != nil, serverName, roots, skipVerify, r.ca, o.ReadTimeout, o.PoolSize, r.failures, r.cooldown})
 	return string(k)
 }
 
@@ -247,7 +356,7 @@ func (r *resolved) key() string {
 type conn struct {
 	client  redis.UniversalClient
 	store   store
-	breaker *gobreaker.CircuitBreaker[bucket.Decision]
+	breaker *gobreaker.CircuitBreaker[struct{}]
 	timeout time.Duration
 	// users counts what holds the client: 1 for the pool while any handler
 	// has this configuration, plus 1 per request under way. The client is
@@ -318,7 +427,7 @@ func newConn(r *resolved, logger *zap.Logger) *conn {
 		c.client, c.store = sc, bucket.Redis{Client: sc}
 	}
 	failures := uint32(r.failures)
-	c.breaker = gobreaker.NewCircuitBreaker[bucket.Decision](gobreaker.Settings{
+	c.breaker = gobreaker.NewCircuitBreaker[struct{}](gobreaker.Settings{
 		Name:        "redis",
 		MaxRequests: 1,
 		Timeout:     r.cooldown,
@@ -344,25 +453,34 @@ func newConn(r *resolved, logger *zap.Logger) *conn {
 	return c
 }
 
-// take decides a request in Redis, through the circuit breaker: while the
-// breaker is open it fails at once with gobreaker.ErrOpenState.
-func (c *conn) take(ctx context.Context, keys []string, takes []bucket.Take) (bucket.Decision, error) {
-	return c.breaker.Execute(func() (bucket.Decision, error) {
-		ctx, cancel := context.WithTimeout(ctx, c.timeout)
+// call runs one call to Redis: fn with a deadline of timeout (one budget
+// for pool wait, dial, write and read), through the circuit breaker (while
+// it is open, call fails at once with gobreaker.ErrOpenState and fn does
+// not run), its duration observed in redis_call_duration_seconds. Every
+// call to Redis goes through it: decisions, demotions, settlements, the
+// admin API's reads and resets, the readiness probe.
+func (c *conn) call(ctx context.Context, timeout time.Duration, fn func(context.Context) error) error {
+	_, err := c.breaker.Execute(func() (struct{}, error) {
+		ctx, cancel := context.WithTimeout(ctx, timeout)
 		defer cancel()
 		defer observeRedisCall(time.Now())
-		return c.store.Take(ctx, keys, takes)
+		return struct{}{}, fn(ctx)
 	})
+	return err
 }
 
-// contextWithTimeout bounds one limiter call of the request r.
-func contextWithTimeout(r *http.Request, d time.Duration) (context.Context, context.CancelFunc) {
-	return context.WithTimeout(r.Context(), d)
+// take decides a request in Redis.
+func (c *conn) take(ctx context.Context, keys []string, takes []bucket.Take) (d bucket.Decision, err error) {
+	err = c.call(ctx, c.timeout, func(ctx context.Context) error {
+		d, err = c.store.Take(ctx, keys, takes)
+		return err
+	})
+	return d, err
 }
 
 // ping checks that Redis answers within the timeout.
 func (c *conn) ping(ctx context.Context) error {
-	ctx, cancel := context.WithTimeout(ctx, c.timeout)
-	defer cancel()
-	return c.client.Ping(ctx).Err()
+	return c.call(ctx, c.timeout, func(ctx context.Context) error {
+		return c.client.Ping(ctx).Err()
+	})
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"net/http"
 	"strings"
-	"time"
 
 	"go.uber.org/zap"
 
@@ -161,9 +160,8 @@ func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, req *request, re
 		return
 	}
 	id, _ := repl.GetString("http.request.uuid")
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), h.conn.timeout)
-	defer cancel()
-	if _, err := h.conn.settle(ctx, id, keys, adj); err != nil {
+	// The client may be gone: the settlement is the gateway's own call.
+	if err := h.conn.settle(context.WithoutCancel(r.Context()), id, keys, adj); err != nil {
 		countSettlement(settleFailedOutcome)
 		h.logger.Warn("settling llm token usage failed; the estimate stands",
 			zap.Int64("used", used), zap.Error(err))
@@ -202,12 +200,14 @@ type settler interface {
 	Settle(ctx context.Context, id string, keys []string, adj []bucket.Adjust) (bool, error)
 }
 
-func (c *conn) settle(ctx context.Context, id string, keys []string, adj []bucket.Adjust) (bool, error) {
+// settle settles a request's buckets in Redis, once per request id.
+func (c *conn) settle(ctx context.Context, id string, keys []string, adj []bucket.Adjust) error {
 	s, ok := c.store.(settler)
 	if !ok {
-		return false, nil
+		return nil
 	}
-	start := time.Now()
-	defer observeRedisCall(start)
-	return s.Settle(ctx, id, keys, adj)
+	return c.call(ctx, c.timeout, func(ctx context.Context) error {
+		_, err := s.Settle(ctx, id, keys, adj)
+		return err
+	})
 }
