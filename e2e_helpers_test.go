@@ -295,6 +295,7 @@ func postLoadOnce(config, configType string) (answered bool, err error) {
 // admin endpoint, the first time a test needs it.
 func ensureCaddy(t *testing.T) {
 	t.Helper()
+	redistest.SkipShort(t)
 	caddyMu.Lock()
 	defer caddyMu.Unlock()
 	if caddyStarted {

@@ -96,6 +96,7 @@ type sdkAttempt struct {
 // installed in sdk/node_modules. Either missing is a failure.
 func sdkNode(t *testing.T) string {
 	t.Helper()
+	redistest.SkipShort(t)
 	node, err := exec.LookPath("node")
 	if err != nil {
 		t.Fatal("node is not on PATH: the SDK tests run the official OpenAI and Anthropic SDKs under Node.js; " +

@@ -35,10 +35,20 @@ type Server struct {
 	args []string // every argument, for Restart
 }
 
+// SkipShort skips a test that needs servers (redis-server, Caddy, Node)
+// under go test -short: the short tier runs the unit and table tests
+// alone, in seconds; the full suite (make test, CI) runs every test.
+func SkipShort(t testing.TB) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("starts servers: not part of the -short tier")
+	}
+}
+
 // Start runs redis-server on a free 127.0.0.1 port and stops it at the end
 // of the test. A redis-server that is missing or does not start fails the
-// test: it is never skipped. extra arguments come after the defaults and
-// override them.
+// test: it is never skipped (but under -short, see SkipShort). extra
+// arguments come after the defaults and override them.
 func Start(t testing.TB, extra ...string) *Server {
 	t.Helper()
 	return startWith(t, nil, func(s *Server) []string {
@@ -59,6 +69,7 @@ func baseArgs(s *Server, listen ...string) []string {
 // the server, trying other ports if one is taken meanwhile.
 func startWith(t testing.TB, tlsConf *tls.Config, args func(*Server) []string) *Server {
 	t.Helper()
+	SkipShort(t)
 	s := &Server{Dir: t.TempDir(), TLS: tlsConf}
 	var err error
 	for attempt := 0; attempt < 5; attempt++ {
