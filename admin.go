@@ -225,7 +225,7 @@ func (a *AdminAPI) bucket(w http.ResponseWriter, r *http.Request, reset bool) er
 	var deleted *bool
 	if reset {
 		var n int64
-		err := c.call(r.Context(), timeout, func(ctx context.Context) (err error) {
+		err := c.probe(r.Context(), timeout, func(ctx context.Context) (err error) {
 			n, err = c.client.Del(ctx, bt.key).Result()
 			return err
 		})
@@ -239,7 +239,7 @@ func (a *AdminAPI) bucket(w http.ResponseWriter, r *http.Request, reset bool) er
 			zap.String("dimension", bt.limit.dimension), zap.String("key", bt.key), zap.Bool("deleted", d))
 	}
 	var st bucketState
-	err = c.call(r.Context(), timeout, func(ctx context.Context) (err error) {
+	err = c.probe(r.Context(), timeout, func(ctx context.Context) (err error) {
 		st, err = peek(ctx, c, bt.key, bt.limit.spec)
 		return err
 	})

@@ -1,15 +1,12 @@
 package tokenbucket
 
 import (
-	"context"
 	"errors"
 	"fmt"
-	"net/http"
 	"slices"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
 	"github.com/token-bucket/token_bucket/bucket"
 )
@@ -92,51 +89,4 @@ func (d *Demote) compile(dims []Dimension, tiers map[string]*tier) *demotion {
 		}
 	}
 	return c
-}
-
-// serveDemote decides a request under the demotion rule, in one round
-// trip: on the penalty tier's limits while the identity id is demoted, else
-// on its own tier's, counting a denial.
-func (h *Handler) serveDemote(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler,
-	in *inputs, t *tier, req *request, id string) error {
-	repl := in.repl
-	preq, err := h.buildRequest(in, h.demote.penalty)
-	if err != nil {
-		return h.rejectInput(w, repl, t, err)
-	}
-	store, ok := h.conn.store.(bucket.Redis)
-	if !ok {
-		return h.decidedOrDegraded(w, r, next, repl, t, req)
-	}
-	base := h.keyer.Key(h.demote.name, id, "")
-	var state bucket.Demotion
-	var d bucket.Decision
-	err = h.conn.call(r.Context(), h.conn.timeout, func(ctx context.Context) error {
-		var err error
-		d, state, _, err = store.TakeDemote(ctx, base+":demoted", base+":denials", h.demote.rule,
-			req.keys, req.takes, preq.keys, preq.takes)
-		return err
-	})
-	if err != nil {
-		return h.degraded(w, r, next, repl, t, req, err)
-	}
-	if state == bucket.Demoted {
-		t, req = h.demote.penalty, preq
-		repl.Set("http.token_bucket.tier", t.name)
-	}
-	if state != bucket.NotDemoted {
-		repl.Set("http.token_bucket.demoted", "true")
-		req.demoted = true
-	}
-	return h.decided(w, r, next, repl, t, req, &d)
-}
-
-// decidedOrDegraded decides without the demotion rule.
-func (h *Handler) decidedOrDegraded(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler,
-	repl *caddy.Replacer, t *tier, req *request) error {
-	d, err := h.conn.take(r.Context(), req.keys, req.takes)
-	if err != nil {
-		return h.degraded(w, r, next, repl, t, req, err)
-	}
-	return h.decided(w, r, next, repl, t, req, &d)
 }

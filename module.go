@@ -261,132 +261,22 @@ func (h *Handler) Cleanup() error {
 	return err
 }
 
-// ServeHTTP decides the request's buckets and either calls next or denies.
+// ServeHTTP limits one request, in four stages: build resolves its tier
+// and buckets; decide decides them (deny cache, Redis, the demotion rule,
+// on_redis_error) and returns a verdict without writing anything; record
+// sets the placeholders and counts the verdict in the metrics and the
+// audit log; respond answers it: next (and the settlement after it), a
+// 429, a 400 or 408 for a cost that cannot be had, or a 503.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	// A config reload may drop this handler's Redis client while the
 	// request, its stream and its settlement go on: keep it open till then.
 	if h.conn.hold() {
 		defer h.conn.release()
 	}
-	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	t := h.resolveTier(repl)
-	repl.Set("http.token_bucket.tier", t.nameValue)
-
-	in := inputs{w: w, r: r, repl: repl}
-	req := h.bucketsOf(&in, t)
-	if len(req.takes) == 0 {
-		h.metrics.count(t, outcomeSkipped, false)
-		repl.Set("http.token_bucket.decision", "allowed")
-		return next.ServeHTTP(w, r)
-	}
-	// A requests limit known to deny answers before the body is read: a
-	// client retrying in a loop costs no parsing.
-	if h.denials != nil {
-		if sub, d, ok := h.cachedDenial(req, false); ok {
-			return h.denied(w, r, repl, t, req.limits, sub, &d)
-		}
-	}
-	if err := h.price(&in, req); err != nil {
-		return h.rejectInput(w, repl, t, err)
-	}
-	if h.denials != nil && req.hasTokens() {
-		if sub, d, ok := h.cachedDenial(req, true); ok {
-			// RateLimit and X-RateLimit-* speak of the buckets known to
-			// deny; RateLimit-Policy still lists every applied bucket.
-			return h.denied(w, r, repl, t, req.limits, sub, &d)
-		}
-	}
-	if h.demote != nil && t != h.demote.penalty {
-		if id := in.identity(h, h.demote.dim); id != "" {
-			return h.serveDemote(w, r, next, &in, t, req, id)
-		}
-	}
-	start := h.now()
-	d, err := h.conn.take(r.Context(), req.keys, req.takes)
-	if err != nil {
-		return h.degraded(w, r, next, repl, t, req, err)
-	}
-	if h.denials != nil && d.Reason == bucket.RateLimited {
-		for i, b := range d.Buckets {
-			if b.Reason == bucket.RateLimited {
-				h.denials.Remember(req.keys[i], req.takes[i].Cost, start, b.RetryAfterMS, b.Remaining)
-			}
-		}
-	}
-	return h.decided(w, r, next, repl, t, req, &d)
-}
-
-// decided answers a request that Redis decided: headers, placeholders and
-// metrics, then next (settling the usage after it when configured) or the
-// denial.
-func (h *Handler) decided(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler,
-	repl *caddy.Replacer, t *tier, req *request, d *bucket.Decision) error {
-	if !d.Allowed {
-		return h.denied(w, r, repl, t, req.limits, req, d)
-	}
-	h.writeHeaders(w.Header(), t, req.limits, d)
-	setPlaceholders(repl, req.limits, d)
-	h.observe(r, t, req, d, false)
-	if h.Settle != nil && req.hasTokens() {
-		return h.serveSettled(w, r, next, repl, req)
-	}
-	return next.ServeHTTP(w, r)
-}
-
-// denied answers a denial by Redis or the deny cache: the rate-limit
-// headers of req's buckets (policy lists every applied bucket, see
-// addHeaders), placeholders and metrics, then the denial.
-func (h *Handler) denied(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer,
-	t *tier, policy []*limit, req *request, d *bucket.Decision) error {
-	var hs headerSet
-	var arr [headerBuf]byte
-	b := h.addHeaders(&hs, arr[:0], t, policy, req.limits, d)
-	setPlaceholders(repl, req.limits, d)
-	h.observe(r, t, req, d, false)
-	return h.deny(w, t, req, d, &hs, b)
-}
-
-// degraded decides a request that Redis could not, by on_redis_error.
-func (h *Handler) degraded(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler,
-	repl *caddy.Replacer, t *tier, req *request, cause error) error {
-	repl.Set("http.token_bucket.degraded", "true")
-	// While the breaker is open every call fails at once; the breaker
-	// logged its opening, so only calls that reached Redis are logged.
-	if kind := countRedisError(cause); kind != errBreakerOpen {
-		if c := h.logger.Check(zap.WarnLevel, "redis call failed; on_redis_error applies"); c != nil {
-			c.Write(zap.String("on_redis_error", h.policy()), zap.String("kind", kind), zap.Error(cause))
-		}
-	}
-	switch h.policy() {
-	case PolicyAllow:
-		h.metrics.count(t, outcomeAllowed, true)
-		repl.Set("http.token_bucket.decision", "allowed")
-		return next.ServeHTTP(w, r)
-	case PolicyDeny:
-		h.metrics.count(t, outcomeUnavailable, true)
-		repl.Set("http.token_bucket.decision", "unavailable")
-		return h.unavailable(w)
-	}
-	d, err := h.local.Take(r.Context(), req.keys, req.localTakes())
-	if err != nil {
-		h.metrics.count(t, outcomeUnavailable, true)
-		return caddyhttp.Error(http.StatusServiceUnavailable, err)
-	}
-	setPlaceholders(repl, req.limits, &d)
-	h.observe(r, t, req, &d, true)
-	if d.Allowed {
-		return next.ServeHTTP(w, r)
-	}
-	var hs headerSet
-	var arr [64]byte
-	return h.deny(w, t, req, &d, &hs, arr[:0])
-}
-
-func (h *Handler) policy() string {
-	if h.OnRedisError == "" {
-		return PolicyLocal
-	}
-	return h.OnRedisError
+	x := h.build(w, r)
+	v := h.decide(x)
+	h.record(x, &v)
+	return h.respond(x, &v, next)
 }
 
 var errDenied = errors.New("rate limit exceeded")

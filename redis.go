@@ -457,16 +457,24 @@ func newConn(r *resolved, logger *zap.Logger) *conn {
 // for pool wait, dial, write and read), through the circuit breaker (while
 // it is open, call fails at once with gobreaker.ErrOpenState and fn does
 // not run), its duration observed in redis_call_duration_seconds. Every
-// call to Redis goes through it: decisions, demotions, settlements, the
-// admin API's reads and resets, the readiness probe.
+// call of the request path goes through it: decisions, demotions and
+// settlements; probe is the same without the breaker.
 func (c *conn) call(ctx context.Context, timeout time.Duration, fn func(context.Context) error) error {
 	_, err := c.breaker.Execute(func() (struct{}, error) {
-		ctx, cancel := context.WithTimeout(ctx, timeout)
-		defer cancel()
-		defer observeRedisCall(time.Now())
-		return struct{}{}, fn(ctx)
+		return struct{}{}, c.probe(ctx, timeout, fn)
 	})
 	return err
+}
+
+// probe runs fn as call does but past the circuit breaker, for the calls
+// that must tell Redis's own state even while the breaker is open: the
+// readiness probe and the admin API's reads and resets. Their outcome does
+// not move the breaker.
+func (c *conn) probe(ctx context.Context, timeout time.Duration, fn func(context.Context) error) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	defer observeRedisCall(time.Now())
+	return fn(ctx)
 }
 
 // take decides a request in Redis.
@@ -478,9 +486,10 @@ func (c *conn) take(ctx context.Context, keys []string, takes []bucket.Take) (d 
 	return d, err
 }
 
-// ping checks that Redis answers within the timeout.
+// ping checks that Redis answers within the timeout, whatever the
+// breaker's state.
 func (c *conn) ping(ctx context.Context) error {
-	return c.call(ctx, c.timeout, func(ctx context.Context) error {
+	return c.probe(ctx, c.timeout, func(ctx context.Context) error {
 		return c.client.Ping(ctx).Err()
 	})
 }

@@ -326,20 +326,86 @@ func denyBody(t *tier, req *request, d *bucket.Decision) []byte {
 // that is not an integer from 0 to MaxCost, 400 invalid_cost. With on_deny
 // error it returns a Caddy error for handle_errors instead. The bad value
 // is not echoed.
-func (h *Handler) rejectInput(w http.ResponseWriter, repl *caddy.Replacer, t *tier, err error) error {
-	status, outcome, cause, e := http.StatusBadRequest, outcomeInvalidCost, errInvalidCost, &invalidCostError
-	switch err {
-	case errInvalidBody:
-		outcome, cause, e = outcomeInvalidBody, errInvalidBody, &invalidBodyError
-	case errBodyTimeout:
-		status, outcome, cause, e = http.StatusRequestTimeout, outcomeInvalidBody, errBodyTimeout, &bodyTimeoutError
-	}
-	h.metrics.count(t, outcome, false)
-	repl.Set("http.token_bucket.decision", e.code)
+func (h *Handler) rejectInput(w http.ResponseWriter, err error) error {
+	status, e := inputError(err)
 	if h.OnDeny == DenyError {
-		return caddyhttp.Error(status, cause)
+		return caddyhttp.Error(status, err)
 	}
 	return writeJSON(w, status, e.body(h.ErrorFormat))
+}
+
+// inputError returns the status and answer of an input error.
+func inputError(err error) (int, *errorAnswer) {
+	switch err {
+	case errInvalidBody:
+		return http.StatusBadRequest, &invalidBodyError
+	case errBodyTimeout:
+		return http.StatusRequestTimeout, &bodyTimeoutError
+	}
+	return http.StatusBadRequest, &invalidCostError
+}
+
+// record sets the placeholders of a verdict and counts it in the metrics
+// and, for a denial, the audit log: every request is recorded here, once.
+func (h *Handler) record(x *exchange, v *verdict) {
+	repl := x.repl
+	repl.Set("http.token_bucket.tier", v.tier.nameValue)
+	if v.local {
+		repl.Set("http.token_bucket.degraded", "true")
+	}
+	if v.demoted {
+		repl.Set("http.token_bucket.demoted", "true")
+	}
+	if v.decided {
+		setPlaceholders(repl, v.req.limits, &v.d)
+		h.observe(x.r, v.tier, v.req, &v.d, v.local)
+		return
+	}
+	h.metrics.count(v.tier, v.outcome, v.local)
+	decision := "allowed" // skipped, or on_redis_error allow
+	switch {
+	case v.outcome == outcomeUnavailable:
+		decision = "unavailable"
+	case v.err != nil:
+		_, e := inputError(v.err)
+		decision = e.code
+	}
+	repl.Set("http.token_bucket.decision", decision)
+}
+
+// respond answers a verdict: next (settling the usage after it when
+// configured), the 429 with its headers, the 400 or 408 of an input error,
+// or the 503 of on_redis_error deny or a failed local store. Decisions made
+// by on_redis_error carry no rate-limit headers: one node's numbers would
+// mislead.
+func (h *Handler) respond(x *exchange, v *verdict, next caddyhttp.Handler) error {
+	w, r := x.w, x.r
+	switch {
+	case v.outcome == outcomeUnavailable && v.err != nil:
+		return caddyhttp.Error(http.StatusServiceUnavailable, v.err)
+	case v.outcome == outcomeUnavailable:
+		return h.unavailable(w)
+	case v.err != nil:
+		return h.rejectInput(w, v.err)
+	case !v.decided: // skipped, or on_redis_error allow
+		return next.ServeHTTP(w, r)
+	case v.local && v.d.Allowed:
+		return next.ServeHTTP(w, r)
+	case v.local:
+		var hs headerSet
+		var arr [64]byte
+		return h.deny(w, v.tier, v.req, &v.d, &hs, arr[:0])
+	case !v.d.Allowed:
+		var hs headerSet
+		var arr [headerBuf]byte
+		b := h.addHeaders(&hs, arr[:0], v.tier, v.policy, v.req.limits, &v.d)
+		return h.deny(w, v.tier, v.req, &v.d, &hs, b)
+	}
+	h.writeHeaders(w.Header(), v.tier, v.req.limits, &v.d)
+	if h.Settle != nil && v.req.hasTokens() {
+		return h.serveSettled(w, r, next, x.repl, v.req)
+	}
+	return next.ServeHTTP(w, r)
 }
 
 // unavailable answers 503 for on_redis_error deny; never 429, which would

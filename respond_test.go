@@ -9,8 +9,6 @@ import (
 
 	"github.com/dunglas/httpsfv"
 
-	"github.com/caddyserver/caddy/v2"
-
 	"github.com/token-bucket/token_bucket/bucket"
 )
 
@@ -149,7 +147,7 @@ func TestErrorFormats(t *testing.T) {
 	} {
 		h := &Handler{ErrorFormat: tc.format}
 		w := httptest.NewRecorder()
-		if err := h.rejectInput(w, caddy.NewReplacer(), tr, tc.err); err != nil {
+		if err := h.rejectInput(w, tc.err); err != nil {
 			t.Fatal(err)
 		}
 		if got := w.Body.String(); w.Code != tc.status || got != tc.want+"\n" {
@@ -211,21 +209,24 @@ func TestDenialItemsSameFromRedisAndCache(t *testing.T) {
 	h := &Handler{denials: cache}
 	req := &request{keys: []string{"ku", "kk"}, limits: limits,
 		takes: []bucket.Take{{Spec: limits[0].spec, Cost: 1}, {Spec: limits[1].spec, Cost: 1}}, tokensCap: -1}
+	answer := func(v verdict) *httptest.ResponseRecorder {
+		w := httptest.NewRecorder()
+		x := &exchange{inputs: inputs{w: w, r: httptest.NewRequest(http.MethodGet, "/", nil)}, tier: tr, req: req}
+		if err := h.respond(x, &v, nil); err != nil {
+			t.Fatal(err)
+		}
+		return w
+	}
 	redisDenial := bucket.Summarize([]bucket.Result{{Reason: bucket.RateLimited, RetryAfterMS: 2500}, {Remaining: 40, FullMS: 60000}})
-	fromRedis := denyAnswer(t, h, tr, limits, []int64{1, 1}, &redisDenial)
+	fromRedis := answer(decidedVerdict(tr, req, redisDenial, false))
 	// The cache keeps a denial 1 ms short of the wait Redis gave: a wait
 	// of 2501 ms is answered now as 2500.
 	cache.Remember("ku", 1, now, 2501, 0)
-	sub, cached, ok := h.cachedDenial(req, false)
+	v, ok := h.cachedDenial(tr, req, false)
 	if !ok {
 		t.Fatal("the deny cache does not answer")
 	}
-	w := httptest.NewRecorder()
-	var hs headerSet
-	var arr [headerBuf]byte
-	if err := h.deny(w, tr, sub, &cached, &hs, h.addHeaders(&hs, arr[:0], tr, limits, sub.limits, &cached)); err != nil {
-		t.Fatal(err)
-	}
+	w := answer(v)
 	for _, name := range []string{"RateLimit", "RateLimit-Policy", "X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset", "Retry-After", "Retry-After-Ms"} {
 		if a, b := fromRedis.Header().Get(name), w.Header().Get(name); a != b {
 			t.Errorf("%s: %q from Redis, %q from the deny cache", name, a, b)

@@ -162,34 +162,6 @@ func (r *request) localTakes() []bucket.Take {
 	return takes
 }
 
-// cachedDenial answers from the deny cache: when any of the request's
-// buckets of the unit asked for (tokens or requests) is known to deny its
-// cost, it returns those buckets as a request of their own with their
-// decision.
-func (h *Handler) cachedDenial(req *request, tokens bool) (*request, bucket.Decision, bool) {
-	var sub *request
-	var results []bucket.Result
-	for i, k := range req.keys {
-		if req.limits[i].tokens != tokens {
-			continue
-		}
-		wait, remaining, ok := h.denials.Check(k, req.takes[i].Cost)
-		if !ok {
-			continue
-		}
-		if sub == nil { // room for this bucket and every one after it
-			sub = newRequest(len(req.keys) - i)
-			results = make([]bucket.Result, 0, len(req.keys)-i)
-		}
-		sub.keys, sub.takes, sub.limits = append(sub.keys, k), append(sub.takes, req.takes[i]), append(sub.limits, req.limits[i])
-		results = append(results, bucket.Result{Remaining: remaining, Reason: bucket.RateLimited, RetryAfterMS: wait})
-	}
-	if sub == nil {
-		return nil, bucket.Decision{}, false
-	}
-	return sub, bucket.Summarize(results), true
-}
-
 // inputs are what a request's buckets are built from, each resolved at
 // most once per request however many tiers the request is built for (its
 // own, and a demotion's penalty tier): the identity of each dimension and

@@ -143,7 +143,7 @@ func TestInputsResolveOnce(t *testing.T) {
 	}
 	_, err := h.buildRequest(in, tiers["penalty"])
 	w := httptest.NewRecorder()
-	if rerr := h.rejectInput(w, in.repl, tiers["own"], err); rerr != nil || w.Code != 400 || !strings.Contains(w.Body.String(), `"error":"invalid_body"`) {
+	if rerr := h.rejectInput(w, err); rerr != nil || w.Code != 400 || !strings.Contains(w.Body.String(), `"error":"invalid_body"`) {
 		t.Errorf("bad body on the penalty tier: %v, %d %s; want 400 invalid_body", rerr, w.Code, w.Body)
 	}
 
@@ -152,9 +152,11 @@ func TestInputsResolveOnce(t *testing.T) {
 	in.repl.Set("http.request.header.X-Cost", "1.5")
 	_, err = h.buildRequest(in, tiers["penalty"])
 	w = httptest.NewRecorder()
-	if rerr := h.rejectInput(w, in.repl, tiers["penalty"], err); rerr != nil || w.Code != 400 || !strings.Contains(w.Body.String(), `"error":"invalid_cost"`) {
+	if rerr := h.rejectInput(w, err); rerr != nil || w.Code != 400 || !strings.Contains(w.Body.String(), `"error":"invalid_cost"`) {
 		t.Errorf("bad cost: %v, %d %s; want 400 invalid_cost", rerr, w.Code, w.Body)
 	}
+	v := invalidVerdict(tiers["penalty"], err)
+	h.record(&exchange{inputs: *in}, &v)
 	if v, _ := in.repl.Get("http.token_bucket.decision"); v != "invalid_cost" {
 		t.Errorf("{http.token_bucket.decision} = %v, want invalid_cost", v)
 	}

@@ -1,0 +1,200 @@
+package tokenbucket
+
+import (
+	"context"
+	"net/http"
+
+	"go.uber.org/zap"
+
+	"github.com/caddyserver/caddy/v2"
+
+	"github.com/token-bucket/token_bucket/bucket"
+)
+
+// exchange is one request on its way through the handler: what build
+// resolved of it, read by decide, record and respond.
+type exchange struct {
+	inputs
+	tier *tier    // the request's own tier
+	req  *request // its buckets in that tier (tokens limits priced by decide)
+}
+
+// verdict is what decide made of a request. It says what the client gets;
+// record and respond act on it, decide writes nothing.
+type verdict struct {
+	outcome outcome
+	tier    *tier           // the tier that decided: the penalty tier for a demoted identity
+	req     *request        // the buckets d speaks of: all, or those a cached denial knows
+	policy  []*limit        // every applied bucket, for RateLimit-Policy
+	d       bucket.Decision // valid when decided is set
+	decided bool            // Redis, the deny cache or the local store decided d
+	local   bool            // on_redis_error decided
+	demoted bool            // decided on the penalty tier, or demoted by this denial
+	err     error           // invalid input (errInvalidBody, errBodyTimeout, errInvalidCost), or the local store's failure
+}
+
+// build resolves the request's tier and the buckets of its identities.
+func (h *Handler) build(w http.ResponseWriter, r *http.Request) *exchange {
+	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	x := &exchange{inputs: inputs{w: w, r: r, repl: repl}}
+	x.tier = h.resolveTier(repl)
+	x.req = h.bucketsOf(&x.inputs, x.tier)
+	return x
+}
+
+// decide decides the request's buckets and returns the verdict, in this
+// order: no bucket (skipped); a requests limit the deny cache knows to deny
+// (before the body is read, so a client retrying in a loop costs no
+// parsing); the tokens cost (an invalid body or cost); a tokens limit the
+// deny cache knows to deny; Redis, under the demotion rule when there is
+// one; on_redis_error when Redis fails. It never writes the response.
+func (h *Handler) decide(x *exchange) verdict {
+	t, req := x.tier, x.req
+	if len(req.takes) == 0 {
+		return verdict{outcome: outcomeSkipped, tier: t}
+	}
+	if h.denials != nil {
+		if v, ok := h.cachedDenial(t, req, false); ok {
+			return v
+		}
+	}
+	if err := h.price(&x.inputs, req); err != nil {
+		return invalidVerdict(t, err)
+	}
+	if h.denials != nil && req.hasTokens() {
+		if v, ok := h.cachedDenial(t, req, true); ok {
+			return v
+		}
+	}
+	if h.demote != nil && t != h.demote.penalty {
+		if id := x.identity(h, h.demote.dim); id != "" {
+			if store, ok := h.conn.store.(bucket.Redis); ok {
+				return h.decideDemote(x, store, id)
+			}
+		}
+	}
+	start := h.now()
+	d, err := h.conn.take(x.r.Context(), req.keys, req.takes)
+	if err != nil {
+		return h.decideDegraded(x, err)
+	}
+	if h.denials != nil && d.Reason == bucket.RateLimited {
+		for i, b := range d.Buckets {
+			if b.Reason == bucket.RateLimited {
+				h.denials.Remember(req.keys[i], req.takes[i].Cost, start, b.RetryAfterMS, b.Remaining)
+			}
+		}
+	}
+	return decidedVerdict(t, req, d, false)
+}
+
+// decidedVerdict is the verdict of a decision d on req's buckets.
+func decidedVerdict(t *tier, req *request, d bucket.Decision, local bool) verdict {
+	v := verdict{outcome: outcomeAllowed, tier: t, req: req, policy: req.limits, d: d, decided: true, local: local}
+	if !d.Allowed {
+		v.outcome = outcomeDenied
+	}
+	return v
+}
+
+// invalidVerdict is the verdict of a request whose tokens cost cannot be
+// had.
+func invalidVerdict(t *tier, err error) verdict {
+	o := outcomeInvalidCost
+	if err == errInvalidBody || err == errBodyTimeout {
+		o = outcomeInvalidBody
+	}
+	return verdict{outcome: o, tier: t, err: err}
+}
+
+// cachedDenial is the deny cache's verdict: when any of req's buckets of
+// the unit asked for (tokens or requests) is known to deny its cost, a
+// denial that speaks of those buckets.
+func (h *Handler) cachedDenial(t *tier, req *request, tokens bool) (verdict, bool) {
+	var sub *request
+	var results []bucket.Result
+	for i, k := range req.keys {
+		if req.limits[i].tokens != tokens {
+			continue
+		}
+		wait, remaining, ok := h.denials.Check(k, req.takes[i].Cost)
+		if !ok {
+			continue
+		}
+		if sub == nil { // room for this bucket and every one after it
+			sub = newRequest(len(req.keys) - i)
+			results = make([]bucket.Result, 0, len(req.keys)-i)
+		}
+		sub.keys, sub.takes, sub.limits = append(sub.keys, k), append(sub.takes, req.takes[i]), append(sub.limits, req.limits[i])
+		results = append(results, bucket.Result{Remaining: remaining, Reason: bucket.RateLimited, RetryAfterMS: wait})
+	}
+	if sub == nil {
+		return verdict{}, false
+	}
+	v := decidedVerdict(t, sub, bucket.Summarize(results), false)
+	v.policy = req.limits
+	return v, true
+}
+
+// decideDemote decides the request under the demotion rule, in one round
+// trip: on the penalty tier's limits while the identity id is demoted,
+// else on its own tier's, counting a denial.
+func (h *Handler) decideDemote(x *exchange, store bucket.Redis, id string) verdict {
+	t, req := x.tier, x.req
+	preq, err := h.buildRequest(&x.inputs, h.demote.penalty)
+	if err != nil {
+		return invalidVerdict(t, err)
+	}
+	base := h.keyer.Key(h.demote.name, id, "")
+	var state bucket.Demotion
+	var d bucket.Decision
+	err = h.conn.call(x.r.Context(), h.conn.timeout, func(ctx context.Context) error {
+		var err error
+		d, state, _, err = store.TakeDemote(ctx, base+":demoted", base+":denials", h.demote.rule,
+			req.keys, req.takes, preq.keys, preq.takes)
+		return err
+	})
+	if err != nil {
+		return h.decideDegraded(x, err)
+	}
+	if state == bucket.Demoted {
+		t, req = h.demote.penalty, preq
+	}
+	v := decidedVerdict(t, req, d, false)
+	if state != bucket.NotDemoted {
+		v.demoted, req.demoted = true, true
+	}
+	return v
+}
+
+// decideDegraded decides a request that Redis could not, by
+// on_redis_error: allow, deny (503), or the local store's decision with
+// the local_share limits.
+func (h *Handler) decideDegraded(x *exchange, cause error) verdict {
+	// While the breaker is open every call fails at once; the breaker
+	// logged its opening, so only calls that reached Redis are logged.
+	if kind := countRedisError(cause); kind != errBreakerOpen {
+		if c := h.logger.Check(zap.WarnLevel, "redis call failed; on_redis_error applies"); c != nil {
+			c.Write(zap.String("on_redis_error", h.policy()), zap.String("kind", kind), zap.Error(cause))
+		}
+	}
+	t, req := x.tier, x.req
+	switch h.policy() {
+	case PolicyAllow:
+		return verdict{outcome: outcomeAllowed, tier: t, local: true}
+	case PolicyDeny:
+		return verdict{outcome: outcomeUnavailable, tier: t, local: true}
+	}
+	d, err := h.local.Take(x.r.Context(), req.keys, req.localTakes())
+	if err != nil {
+		return verdict{outcome: outcomeUnavailable, tier: t, local: true, err: err}
+	}
+	return decidedVerdict(t, req, d, true)
+}
+
+func (h *Handler) policy() string {
+	if h.OnRedisError == "" {
+		return PolicyLocal
+	}
+	return h.OnRedisError
+}
