@@ -3,7 +3,6 @@ package tokenbucket
 import (
 	"net/http"
 
-	"github.com/sony/gobreaker/v2"
 	"go.uber.org/zap"
 
 	"github.com/caddyserver/caddy/v2"
@@ -79,17 +78,6 @@ func (rd *Ready) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.H
 		return writeJSON(w, http.StatusServiceUnavailable, []byte(`{"status":"unavailable","redis":"down`+breaker))
 	}
 	return writeJSON(w, http.StatusOK, []byte(`{"status":"ready","redis":"up`+breaker))
-}
-
-func breakerState(s gobreaker.State) string {
-	switch s {
-	case gobreaker.StateOpen:
-		return "open"
-	case gobreaker.StateHalfOpen:
-		return "half_open"
-	default:
-		return "closed"
-	}
 }
 
 func parseReadyCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {

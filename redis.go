@@ -493,3 +493,16 @@ func (c *conn) ping(ctx context.Context) error {
 		return c.client.Ping(ctx).Err()
 	})
 }
+
+// breakerState names a breaker state as the metrics, logs and the
+// readiness probe report it.
+func breakerState(s gobreaker.State) string {
+	switch s {
+	case gobreaker.StateOpen:
+		return "open"
+	case gobreaker.StateHalfOpen:
+		return "half_open"
+	default:
+		return "closed"
+	}
+}

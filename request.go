@@ -1,0 +1,257 @@
+package tokenbucket
+
+import (
+	"net/http"
+	"net/netip"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2"
+
+	"github.com/token-bucket/token_bucket/bucket"
+)
+
+// request is the buckets one request is decided on.
+type request struct {
+	keys      []string
+	takes     []bucket.Take
+	limits    []*limit
+	tokensCap int64 // the smallest capacity of its tokens limits; -1: none
+	demoted   bool  // decided on a demotion's penalty tier, or demoted by this denial
+	// streamUsage: the body was sent on with stream_options.include_usage
+	// added, so the usage chunks are taken out of the response.
+	streamUsage bool
+}
+
+// requestOf1 and requestOf4 hold a request and the arrays its slices use,
+// so that a request of up to four buckets is one allocation.
+type (
+	requestOf1 struct {
+		req    request
+		keys   [1]string
+		takes  [1]bucket.Take
+		limits [1]*limit
+	}
+	requestOf4 struct {
+		req    request
+		keys   [4]string
+		takes  [4]bucket.Take
+		limits [4]*limit
+	}
+)
+
+// newRequest returns an empty request with room for n buckets.
+func newRequest(n int) *request {
+	switch {
+	case n <= 1:
+		b := new(requestOf1)
+		b.req = request{keys: b.keys[:0], takes: b.takes[:0], limits: b.limits[:0]}
+		return &b.req
+	case n <= 4:
+		b := new(requestOf4)
+		b.req = request{keys: b.keys[:0:n], takes: b.takes[:0:n], limits: b.limits[:0:n]}
+		return &b.req
+	}
+	return &request{keys: make([]string, 0, n), takes: make([]bucket.Take, 0, n), limits: make([]*limit, 0, n)}
+}
+
+// hasTokens reports whether the request is charged in a "tokens" limit.
+func (r *request) hasTokens() bool { return r.tokensCap >= 0 }
+
+// localTakes returns the request's takes with the local_share specs.
+func (r *request) localTakes() []bucket.Take {
+	takes := make([]bucket.Take, len(r.takes))
+	for i, t := range r.takes {
+		takes[i] = bucket.Take{Spec: r.limits[i].local, Cost: t.Cost}
+	}
+	return takes
+}
+
+// inputs are what a request's buckets are built from, each resolved at
+// most once per request however many tiers the request is built for (its
+// own, and a demotion's penalty tier): the identity of each dimension and
+// the cost of its tokens limits.
+type inputs struct {
+	w        http.ResponseWriter
+	r        *http.Request
+	repl     *caddy.Replacer
+	ids      [8]string // by dimension, the first 8; "" = skipped
+	resolved uint8     // bit i: ids[i] is resolved
+	est      tokenEstimate
+	cost     int64 // the cost template's value, once costSet
+	costSet  bool  // est or cost is set
+}
+
+// identity returns dimension i's identity (see Handler.identity), resolved
+// on first use. Past the first 8 dimensions it is resolved on every use.
+func (in *inputs) identity(h *Handler, i int) string {
+	if i >= len(in.ids) {
+		return h.identity(in.repl, i)
+	}
+	if in.resolved&(1<<i) == 0 {
+		in.ids[i] = h.identity(in.repl, i)
+		in.resolved |= 1 << i
+	}
+	return in.ids[i]
+}
+
+// tokensCost returns the cost of the request's tokens limits when the
+// smallest of them holds capacity tokens: with estimate, the body's
+// estimate capped to capacity (see tokenEstimate.cost), else the cost
+// template; the body or template is read on first use. It sets
+// {http.token_bucket.cost}. A static cost needs neither. It fails with
+// errInvalidBody, errBodyTimeout or errInvalidCost.
+func (in *inputs) tokensCost(h *Handler, capacity int64) (int64, error) {
+	if h.Estimate == nil && h.cost >= 0 {
+		return h.cost, nil
+	}
+	if !in.costSet {
+		var err error
+		if h.Estimate != nil {
+			in.est, err = h.Estimate.estimate(in.w, in.r, h.Settle != nil && h.Settle.IncludeUsage)
+		} else {
+			in.cost, err = parseCost(in.repl.ReplaceAll(h.Cost, ""))
+		}
+		if err != nil {
+			return 0, err
+		}
+		in.costSet = true
+	}
+	cost := in.cost
+	if h.Estimate != nil {
+		cost = in.est.cost(capacity)
+	}
+	in.repl.Set("http.token_bucket.cost", cost)
+	return cost, nil
+}
+
+// buildRequest returns the buckets of tier t for the request of in, priced:
+// see bucketsOf and price.
+func (h *Handler) buildRequest(in *inputs, t *tier) (*request, error) {
+	req := h.bucketsOf(in, t)
+	return req, h.price(in, req)
+}
+
+// bucketsOf returns the buckets of tier t for the request of in: one per
+// limit whose identity is not empty. Requests limits cost 1; tokens limits
+// are priced by price, so that a request already denied by a requests
+// limit is answered without reading its body.
+func (h *Handler) bucketsOf(in *inputs, t *tier) *request {
+	req := newRequest(len(t.limits))
+	req.tokensCap = -1
+	for i := range t.limits {
+		l := &t.limits[i]
+		id := in.identity(h, l.dim)
+		if id == "" {
+			continue
+		}
+		if l.tokens && (req.tokensCap < 0 || l.spec.Capacity < req.tokensCap) {
+			req.tokensCap = l.spec.Capacity
+		}
+		req.keys = append(req.keys, h.keyer.Key(l.dimension, id, l.unit))
+		req.takes = append(req.takes, bucket.Take{Spec: l.spec, Cost: 1})
+		req.limits = append(req.limits, l)
+	}
+	return req
+}
+
+// price sets the cost of req's tokens limits. It fails only on an invalid
+// cost or body.
+func (h *Handler) price(in *inputs, req *request) error {
+	if req.tokensCap < 0 {
+		return nil
+	}
+	c, err := in.tokensCost(h, req.tokensCap)
+	if err != nil {
+		return err
+	}
+	for i, l := range req.limits {
+		if l.tokens {
+			req.takes[i].Cost = c
+		}
+	}
+	req.streamUsage = in.est.streamUsage
+	return nil
+}
+
+// identity resolves dimension i's template; "" means the dimension is
+// skipped because a placeholder in it is empty or unknown. An identity that
+// is an IP address is masked to the configured prefix.
+func (h *Handler) identity(repl *caddy.Replacer, i int) string {
+	var id string
+	if i < len(h.idKeys) && h.idKeys[i] != "" {
+		// What ReplaceOrErr gives for a lone placeholder, without copying
+		// the value into a new string.
+		if v, ok := repl.Get(h.idKeys[i]); ok {
+			id = caddy.ToString(v)
+		}
+	} else {
+		var err error
+		if id, err = repl.ReplaceOrErr(h.Dimensions[i].Identity, true, true); err != nil {
+			return ""
+		}
+	}
+	if id == "" {
+		return ""
+	}
+	return h.normalizeIdentity(id)
+}
+
+// placeholderKey returns key when template is exactly one placeholder,
+// "{key}", and "" otherwise. For such a template Replacer.ReplaceOrErr
+// returns the placeholder's value as a string, or an error when it is
+// unknown or empty. Keys with braces or escapes, and {file.*} (memoized
+// by the replacer), are left to ReplaceOrErr.
+func placeholderKey(template string) string {
+	if len(template) < 3 || template[0] != '{' || template[len(template)-1] != '}' {
+		return ""
+	}
+	key := template[1 : len(template)-1]
+	if strings.ContainsAny(key, `{}\`) || strings.HasPrefix(key, "file.") {
+		return ""
+	}
+	return key
+}
+
+// normalizeIdentity gives an identity its form in keys: an IP address is
+// masked to ipv4_prefix / ipv6_prefix bits (an IPv4-mapped IPv6 address
+// counts as IPv4), anything else is kept as it is. The admin API uses it
+// for identities typed by an operator.
+func (h *Handler) normalizeIdentity(id string) string {
+	if !mayBeAddr(id) {
+		return id // API keys and names: spares ParseAddr's error value
+	}
+	ip, err := netip.ParseAddr(id)
+	if err != nil {
+		return id
+	}
+	ip = ip.Unmap().WithZone("")
+	bits := h.IPv6Prefix
+	if ip.Is4() {
+		bits = h.IPv4Prefix
+	}
+	p, err := ip.Prefix(bits)
+	if err != nil {
+		return id
+	}
+	var buf [len("ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff/128")]byte
+	return string(p.AppendTo(buf[:0])) // as p.String(), in one allocation
+}
+
+// mayBeAddr reports whether netip.ParseAddr could accept s: before any
+// '%' (an IPv6 zone, which may hold any byte) only hex digits, '.' and
+// ':', with at least one '.' or ':'.
+func mayBeAddr(s string) bool {
+	sep := false
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case c == '.' || c == ':':
+			sep = true
+		case c == '%':
+			return sep
+		case '0' <= c && c <= '9', 'a' <= c && c <= 'f', 'A' <= c && c <= 'F':
+		default:
+			return false
+		}
+	}
+	return sep
+}
