@@ -563,7 +563,7 @@ func TestSettleHeaderMode(t *testing.T) {
 
 // TestSettleDebtDelaysNextRequest: a bucket of 1000 refilled at 1000 a
 // minute (1 token per 60 ms). A request estimated at 500 that used 1500
-// leaves the bucket 500 tokens in debt: T' = −500. By DESIGN §2 a request
+// leaves the bucket 500 tokens in debt: T' = −500. By docs/design.md §2 a request
 // of cost c then waits (c − T')/r: a peek (cost 0) exactly debt/refill =
 // 500 / (1000/60 s) = 30 s, a request of 500 tokens 60 s, less the refill
 // since the charge, which the test brackets between two readings of the

@@ -1,7 +1,7 @@
 --[[
 token_bucket.lua: decide every bucket of one request, all-or-nothing.
 
-Semantics (DESIGN.md section 2): a bucket holds T' = min(C, T + elapsed * r);
+Semantics (docs/design.md section 2): a bucket holds T' = min(C, T + elapsed * r);
 the request is allowed when every bucket has cost <= T', and only then is
 any bucket charged. A denial writes nothing. Time is the Redis clock (TIME),
 never a gateway's.
