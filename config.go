@@ -7,6 +7,9 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
 
 	"github.com/token-bucket/token_bucket/bucket"
 )
@@ -73,6 +76,47 @@ const MaxCost = bucket.MaxExact - 1
 const maxDimensions = 64
 
 var nameRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,64}$`)
+
+// compile turns the configuration into its request-path form, in one pure
+// step (no Redis, no Caddy context, no I/O: Provision calls it, and tests
+// call it directly): it sets the defaults, validates, and compiles the
+// tiers, the identity templates, the cost, the keyer, the demotion rule,
+// the tokenizer and the in-process stores.
+func (h *Handler) compile() error {
+	if h.KeyPrefix == "" {
+		h.KeyPrefix = "rl:"
+	}
+	if h.IPv4Prefix == 0 {
+		h.IPv4Prefix = 32
+	}
+	if h.IPv6Prefix == 0 {
+		h.IPv6Prefix = 64
+	}
+	if err := h.validate(); err != nil {
+		return err
+	}
+	if err := h.Estimate.provision(); err != nil {
+		return err
+	}
+	h.tiers, h.deflt = compileTiers(h.Dimensions, h.Tiers, h.DefaultTier, h.LocalShare)
+	h.idKeys = make([]string, len(h.Dimensions))
+	for i, d := range h.Dimensions {
+		h.idKeys[i] = placeholderKey(d.Identity)
+	}
+	h.cost, _ = staticCost(h.Cost)
+	h.keyer = bucket.NewKeyer(h.KeyPrefix, caddy.NewReplacer().ReplaceKnown(h.KeySecret, ""))
+	if h.now == nil {
+		h.now = time.Now
+	}
+	h.demote = h.Demote.compile(h.Dimensions, h.tiers)
+	if h.DenyCache >= 0 && h.demote == nil { // every denial must reach Redis to be counted
+		h.denials = bucket.NewDenyCache(h.DenyCache, h.now)
+	}
+	if h.OnRedisError == "" || h.OnRedisError == PolicyLocal {
+		h.local = bucket.NewLocal(h.LocalBuckets, h.now)
+	}
+	return nil
+}
 
 // validate checks the configuration and returns the first problem, naming
 // the JSON field and its value. It has no side effects.

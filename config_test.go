@@ -105,3 +105,40 @@ func TestJSONConfigMessages(t *testing.T) {
 		})
 	}
 }
+
+// TestCompile: the pure step from the configuration to its request-path
+// form, without Redis or a Caddy context: defaults, tiers with their
+// RateLimit-Policy, the lone-placeholder identities, the static cost, the
+// stores.
+func TestCompile(t *testing.T) {
+	var h Handler
+	if err := json.Unmarshal([]byte(`{
+		"dimensions":[{"name":"user","identity":"{http.request.header.X-User}"},{"name":"ip","identity":"ip:{client_ip}"}],
+		"tiers":[{"name":"free","limits":[{"dimension":"user","capacity":10,"refill_rate":0.16666666666666666},
+			{"dimension":"user","capacity":1000,"refill_rate":100,"unit":"tokens"}]},
+			{"name":"pro","limits":[{"dimension":"ip","capacity":60,"refill_rate":1}]}],
+		"default_tier":"pro","cost":"7","deny_cache":-1}`), &h); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.compile(); err != nil {
+		t.Fatal(err)
+	}
+	if h.KeyPrefix != "rl:" || h.IPv4Prefix != 32 || h.IPv6Prefix != 64 {
+		t.Errorf("defaults: %q %d %d", h.KeyPrefix, h.IPv4Prefix, h.IPv6Prefix)
+	}
+	if h.deflt != h.tiers["pro"] || len(h.tiers) != 2 {
+		t.Errorf("default tier %v of %d", h.deflt, len(h.tiers))
+	}
+	if got := h.tiers["free"].policy; got != `"user";q=10;w=60, "user-tokens";q=1000;w=10` {
+		t.Errorf("free policy %s", got)
+	}
+	if h.idKeys[0] != "http.request.header.X-User" || h.idKeys[1] != "" {
+		t.Errorf("identity keys %q", h.idKeys)
+	}
+	if h.cost != 7 || h.denials != nil || h.local == nil || h.demote != nil {
+		t.Errorf("cost %d, deny cache %v, local store %v, demotion %v", h.cost, h.denials, h.local, h.demote)
+	}
+	if key := h.keyer.Key("user", "alice", ""); !strings.HasPrefix(key, "rl:{user:") {
+		t.Errorf("key %q", key)
+	}
+}

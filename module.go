@@ -192,41 +192,12 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Provision sets defaults, compiles the tiers and takes a shared Redis
-// client.
+// Provision compiles the configuration (see compile) and takes a shared
+// Redis client.
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
-	if h.KeyPrefix == "" {
-		h.KeyPrefix = "rl:"
-	}
-	if h.IPv4Prefix == 0 {
-		h.IPv4Prefix = 32
-	}
-	if h.IPv6Prefix == 0 {
-		h.IPv6Prefix = 64
-	}
-	if err := h.validate(); err != nil {
+	if err := h.compile(); err != nil {
 		return err
-	}
-	if err := h.Estimate.provision(); err != nil {
-		return err
-	}
-	h.tiers, h.deflt = compileTiers(h.Dimensions, h.Tiers, h.DefaultTier, h.LocalShare)
-	h.idKeys = make([]string, len(h.Dimensions))
-	for i, d := range h.Dimensions {
-		h.idKeys[i] = placeholderKey(d.Identity)
-	}
-	h.cost, _ = staticCost(h.Cost)
-	h.keyer = bucket.NewKeyer(h.KeyPrefix, caddy.NewReplacer().ReplaceKnown(h.KeySecret, ""))
-	if h.now == nil {
-		h.now = time.Now
-	}
-	h.demote = h.Demote.compile(h.Dimensions, h.tiers)
-	if h.DenyCache >= 0 && h.demote == nil { // every denial must reach Redis to be counted
-		h.denials = bucket.NewDenyCache(h.DenyCache, h.now)
-	}
-	if h.OnRedisError == "" || h.OnRedisError == PolicyLocal {
-		h.local = bucket.NewLocal(h.LocalBuckets, h.now)
 	}
 	if err := h.provisionObservability(ctx); err != nil {
 		return err
