@@ -61,11 +61,14 @@ sdk/node_modules/.package-lock.json: sdk/package.json sdk/package-lock.json | no
 	cd sdk && npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
-# bin/caddy (Caddy + this plugin, cached), its module list, and
-# caddy adapt / caddy validate of Caddyfile.example.
+# bin/caddy (Caddy + this plugin, cached), built with the xcaddy line the
+# Dockerfile uses.
 build:
 	scripts/build-caddy.sh
 
+# build, then: the module is listed, the Dockerfile's xcaddy line and Caddy
+# version match the script's, and every example Caddyfile is caddy fmt
+# clean, adapts and validates.
 check-build:
 	scripts/check-build.sh
 
