@@ -357,8 +357,10 @@ func (h *Handler) unmarshalInt(d *caddyfile.Dispenser, name string) error {
 		h.IPv4Prefix = n
 	case "ipv6_prefix":
 		h.IPv6Prefix = n
-	default:
+	case "local_buckets":
 		h.LocalBuckets = n
+	default:
+		panic("unmarshalInt: no field " + name)
 	}
 	return nil
 }
@@ -411,7 +413,7 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 				h.Redis.DB = n
 			case "pool_size":
 				h.Redis.PoolSize = n
-			default:
+			case "breaker_failures":
 				h.Redis.BreakerFailures = n
 			}
 		case "tls":
@@ -428,9 +430,10 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 			if err != nil || dur <= 0 {
 				return d.Errf("invalid redis %s %q: must be a duration > 0", opt, v)
 			}
-			if opt == "timeout" {
+			switch opt {
+			case "timeout":
 				h.Redis.Timeout = caddy.Duration(dur)
-			} else {
+			case "breaker_cooldown":
 				h.Redis.BreakerCooldown = caddy.Duration(dur)
 			}
 		default:
@@ -501,9 +504,10 @@ func (c *RedisConfig) stringField(name string) *string {
 		return &c.SentinelPassword
 	case "tls_ca":
 		return &c.TLSCA
-	default:
+	case "tls_server_name":
 		return &c.TLSServerName
 	}
+	panic("stringField: no redis field " + name)
 }
 
 // oneArg reads the one argument of the subdirective at the cursor.
@@ -549,7 +553,7 @@ func (h *Handler) unmarshalAudit(d *caddyfile.Dispenser, name string) error {
 			return d.Errf("invalid audit_window %q: must be a duration > 0", v)
 		}
 		h.AuditWindow = caddy.Duration(dur)
-	default:
+	case "audit_buckets":
 		n, err := strconv.Atoi(v)
 		if err != nil || n <= 0 {
 			return d.Errf("invalid audit_buckets %q: must be a whole number > 0", v)
