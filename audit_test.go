@@ -19,7 +19,6 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddytest"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
 	"github.com/token-bucket/token_bucket/bucket"
@@ -230,35 +229,6 @@ func TestKeyID(t *testing.T) {
 
 // ---------------------------------------------------------------------------
 // Caddyfile.
-
-func TestAdaptAuditOptions(t *testing.T) {
-	caddytest.AssertAdapt(t, `:8080 {
-	token_bucket {
-		dimension user {http.auth.user.id}
-		tier free {
-			user 10 10/1m
-		}
-		audit off
-		audit_window 30s
-		audit_client_ip off
-		audit_buckets 500
-	}
-}
-`, "caddyfile", normalizeJSON(t, `{
-		"apps": {"http": {"servers": {"srv0": {
-			"listen": [":8080"],
-			"routes": [{"handle": [{
-				"audit": false,
-				"audit_buckets": 500,
-				"audit_client_ip": false,
-				"audit_window": 30000000000,
-				"dimensions": [{"identity": "{http.auth.user.id}", "name": "user"}],
-				"handler": "token_bucket",
-				"tiers": [{"limits": [{"capacity": 10, "dimension": "user", "refill_rate": 0.16666666666666666}], "name": "free"}]
-			}]}]
-		}}}}
-	}`))
-}
 
 func TestCaddyfileAuditErrors(t *testing.T) {
 	const tier = "\ndimension user {http.auth.user.id}\ntier free {\nuser 10 1/s\n}\n"

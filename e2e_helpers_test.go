@@ -1,7 +1,6 @@
 package tokenbucket
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -318,22 +317,6 @@ var (
 func adaptCaddyfile(caddyfile string) ([]byte, error) {
 	out, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(caddyfile), nil)
 	return out, err
-}
-
-// normalizeJSON re-indents JSON with tabs, as caddytest.AssertAdapt prints
-// the adapted config, keeping key order, so expected JSON can be written
-// with any layout and still be compared exactly.
-func normalizeJSON(t *testing.T, s string) string {
-	t.Helper()
-	var compact bytes.Buffer
-	if err := json.Compact(&compact, []byte(s)); err != nil {
-		t.Fatalf("expected JSON does not parse: %v\n%s", err, s)
-	}
-	var out bytes.Buffer
-	if err := json.Indent(&out, compact.Bytes(), "", "\t"); err != nil {
-		t.Fatal(err)
-	}
-	return out.String()
 }
 
 // provisionHandler provisions h as Caddy would and cleans it up at the end of
