@@ -251,31 +251,6 @@ func TestCaddyfileAuditErrors(t *testing.T) {
 	}
 }
 
-// TestJSONAuditErrors loads JSON configs with bad audit options: each
-// fails at load time naming the field and value.
-func TestJSONAuditErrors(t *testing.T) {
-	ensureCaddy(t)
-	for _, tc := range []struct{ name, fields, want string }{
-		{"negative window", `"audit_window": -1000000000`, `audit_window -1s: must be > 0`},
-		{"negative buckets", `"audit_buckets": -1`, `audit_buckets -1: must be > 0`},
-		{"audit not a bool", `"audit": "off"`, `audit`},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			handler := `{"handler": "token_bucket", "redis": {"address": ["127.0.0.1:1"]},
-				"dimensions": [{"name": "user", "identity": "{http.auth.user.id}"}],
-				"tiers": [{"name": "free", "limits": [{"dimension": "user", "capacity": 10, "refill_rate": 1}]}],
-				` + tc.fields + `}`
-			config := fmt.Sprintf(`{
-				"admin": {"listen": "localhost:%d", "config": {"persist": false}},
-				"apps": {"http": {"servers": {"srv0": {"listen": ["127.0.0.1:9"], "routes": [{"handle": [%s]}]}}}}
-			}`, adminPort, handler)
-			if err := postLoad(config, "json"); err == nil || !strings.Contains(err.Error(), tc.want) {
-				t.Errorf("/load error = %v\nwant it to contain %s", err, tc.want)
-			}
-		})
-	}
-}
-
 // ---------------------------------------------------------------------------
 // End to end.
 
