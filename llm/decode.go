@@ -32,8 +32,12 @@ const MaxDecodedBody = 64 << 20
 // allows the zstd content coding.
 const maxZstdWindow = 8 << 20
 
-// maxCodings is the most content codings a body may have.
-const maxCodings = 4
+// maxCodings is the most content codings a body may have: one. Each layer
+// of stacked codings multiplies the work of the layer under it, and
+// MaxDecodedBody bounds only the last (a 13 KB body coded "deflate,
+// deflate, gzip" cost 17 s of CPU to decode to nothing); no provider and
+// no Caddy encoder stacks codings. A body with more is Unreadable.
+const maxCodings = 1
 
 // A coding is a content coding.
 type coding uint8

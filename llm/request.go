@@ -54,6 +54,13 @@ type Request struct {
 	// IncludeUsage is true when the last "stream_options" member is an
 	// object whose last "include_usage" member is true.
 	IncludeUsage bool
+	// Choices is how many completions the request asks for: the largest
+	// of every "n" (OpenAI chat and completions) and "best_of" (legacy
+	// completions) member, 1 when none is set (or set to 0 or null). Each
+	// completion may use the whole budget, so Budget multiplies by it: a
+	// body with "n":128 and "max_tokens":1000 may use 128,000 completion
+	// tokens.
+	Choices int64
 
 	// budgetSure: some budget member is a number in all its occurrences,
 	// so the provider's own default budget never applies.
@@ -62,18 +69,26 @@ type Request struct {
 }
 
 // Budget returns the completion budget to charge, in tokens: MaxTokens,
-// or defaultMax when the body sets no budget. When every budget member
+// or defaultMax when the body sets no budget, times Choices (at most
+// MaxCost). When every budget member
 // set to a number also has a null duplicate, the provider may read null
 // (the last duplicate wins) and apply its own default: Budget is then the
 // larger of MaxTokens and defaultMax.
 func (r Request) Budget(defaultMax int64) int64 {
+	b := r.MaxTokens
 	switch {
 	case r.MaxTokens < 0:
-		return defaultMax
+		b = defaultMax
 	case !r.budgetSure:
-		return max(r.MaxTokens, defaultMax)
+		b = max(r.MaxTokens, defaultMax)
 	}
-	return r.MaxTokens
+	if c := max(r.Choices, 1); b > 0 && c > 1 {
+		if c > MaxCost/b {
+			return MaxCost
+		}
+		b *= c
+	}
+	return b
 }
 
 // Cost returns PromptTokens + Budget(defaultMax), at most MaxCost.
@@ -158,7 +173,7 @@ const (
 
 // parse reads the top-level object.
 func (p *parser) parse() (Request, error) {
-	req := Request{MaxTokens: -1, rw: rewriteSpots{bodyLen: len(p.body)}}
+	req := Request{MaxTokens: -1, Choices: 1, rw: rewriteSpots{bodyLen: len(p.body)}}
 	if k := p.dec.PeekKind(); k != '{' {
 		if k == jsontext.KindInvalid {
 			_, err := p.dec.ReadToken()
@@ -203,6 +218,12 @@ func (p *parser) parse() (Request, error) {
 			b = budgetMaxCompletionTokens
 		case "max_output_tokens":
 			b = budgetMaxOutputTokens
+		case "n", "best_of":
+			var n int64
+			var isNull bool
+			if n, isNull, err = p.budget(name); err == nil && !isNull {
+				req.Choices = max(req.Choices, n)
+			}
 		case "messages":
 			err = p.messages()
 		case "system", "prompt", "input", "instructions", "suffix":

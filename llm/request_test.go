@@ -500,3 +500,50 @@ func TestBPECuts(t *testing.T) {
 		}
 	}
 }
+
+// TestChoicesMultiplyBudget: "n" and "best_of" ask for several
+// completions, each of which may use the whole budget, so the budget is
+// multiplied (a body of "n":128 was estimated at one completion and used
+// 128).
+func TestChoicesMultiplyBudget(t *testing.T) {
+	for _, tc := range []struct {
+		body       string
+		budget     int64
+		choices    int64
+		defaultMax int64
+	}{
+		{`{"n":128,"max_tokens":1000}`, 128_000, 128, 1024},
+		{`{"n":3}`, 3 * 1024, 3, 1024},
+		{`{"best_of":5,"n":2,"max_tokens":10}`, 50, 5, 1024},
+		{`{"n":0,"max_tokens":10}`, 10, 1, 1024},
+		{`{"n":null,"max_tokens":10}`, 10, 1, 1024},
+		{`{"n":9007199254740991,"max_tokens":2}`, MaxCost, MaxCost, 1024},
+		{`{"N":50,"max_tokens":10}`, 10, 1, 1024},
+	} {
+		req, err := ParseRequest([]byte(tc.body), nil)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.body, err)
+		}
+		if got := req.Budget(tc.defaultMax); got != tc.budget || req.Choices != tc.choices {
+			t.Errorf("%s: budget %d, choices %d; want %d, %d", tc.body, got, req.Choices, tc.budget, tc.choices)
+		}
+	}
+	if _, err := ParseRequest([]byte(`{"n":"3"}`), nil); err == nil {
+		t.Error(`"n":"3" parsed; want invalid`)
+	}
+}
+
+// TestBPEInvalidUTF8CountsEachByte: each invalid byte counts as the
+// U+FFFD a provider reads it as (one replacement for a whole run made
+// 100,000 invalid bytes one token).
+func TestBPEInvalidUTF8CountsEachByte(t *testing.T) {
+	tok, err := ParseTokenizer(O200kBase)
+	if err != nil {
+		t.Fatal(err)
+	}
+	invalid := tok.Count([]byte(strings.Repeat("\xff", 3000)))
+	replaced := tok.Count([]byte(strings.Repeat("\uFFFD", 3000)))
+	if invalid != replaced || invalid != 386 {
+		t.Errorf("3000 invalid bytes count %d, 3000 U+FFFD %d; want both 386", invalid, replaced)
+	}
+}

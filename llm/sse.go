@@ -138,13 +138,8 @@ func (l *sseLines) dispatch(b *usageBody) {
 
 // sseLineEnd returns the index of the first CR or LF in p, or -1.
 func sseLineEnd(p []byte) int {
-	k := bytes.IndexByte(p, '\n')
-	lim := p
-	if k >= 0 {
-		lim = p[:k]
-	}
-	if r := bytes.IndexByte(lim, '\r'); r >= 0 {
-		return r
-	}
-	return k
+	// One scan for either byte: looking for '\n' first and then for a
+	// '\r' before it searched the whole rest on every line of a stream
+	// framed by '\r' alone, quadratic in its length.
+	return bytes.IndexAny(p, "\r\n")
 }

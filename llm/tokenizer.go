@@ -114,7 +114,7 @@ func (b *bpe) Count(text []byte) int64 {
 	}
 	s := string(text)
 	if !utf8.ValidString(s) {
-		s = strings.ToValidUTF8(s, "\uFFFD")
+		s = replaceInvalid(s)
 	}
 	var n int64
 	start, spaces, word := 0, 0, 0
@@ -147,4 +147,22 @@ func (b *bpe) count(s string) int64 {
 		return int64(len(s))
 	}
 	return int64(n)
+}
+
+// replaceInvalid replaces each invalid byte of s with U+FFFD, as a
+// provider's decoder does (strings.ToValidUTF8 replaces a whole run with
+// one, so 100,000 invalid bytes counted one token).
+func replaceInvalid(s string) string {
+	var b strings.Builder
+	b.Grow(len(s) + len(s)/2)
+	for i := 0; i < len(s); {
+		r, size := utf8.DecodeRuneInString(s[i:])
+		if r == utf8.RuneError && size == 1 {
+			b.WriteString("\uFFFD")
+		} else {
+			b.WriteString(s[i : i+size])
+		}
+		i += size
+	}
+	return b.String()
 }

@@ -180,7 +180,8 @@ var readerPool = sync.Pool{New: func() any { return new(UsageReader) }}
 // order they were applied (RFC 9110, section 8.4), comma separated, any
 // case: "" and identity (none), gzip and x-gzip, deflate (zlib-wrapped as
 // RFC 9110 says, and raw deflate as browsers accept too), br and zstd; at
-// most 4 of them. Any other coding makes the reader report Unreadable.
+// most one of them (see maxCodings). Any other coding, or stacked
+// codings, makes the reader report Unreadable.
 // Only an identity body is read as it is written; a compressed body is
 // kept, up to MaxEncodedBody bytes, and decoded when Result is called.
 //
