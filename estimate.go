@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"os"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -24,6 +25,8 @@ const (
 	// DefaultEstimateReadTimeout bounds the time the whole body may take to
 	// arrive.
 	DefaultEstimateReadTimeout = 10 * time.Second
+	// readChunk is the most a body read allocates before bytes arrive.
+	readChunk = 64 << 10
 )
 
 // Estimate estimates the LLM tokens of an OpenAI- or Anthropic-style JSON
@@ -107,8 +110,9 @@ func (e tokenEstimate) cost(capacity int64) int64 {
 }
 
 // estimate reads r's body, restores it, and estimates its tokens. With
-// streamUsage (settle { include_usage }), a stream that does not ask for
-// its usage is sent on with stream_options.include_usage added. A body
+// streamUsage (settle { include_usage }), an OpenAI chat or completions
+// stream (see includesUsage) that does not ask for its usage is sent on
+// with stream_options.include_usage added. A body
 // that cannot be read is errInvalidBody, or, with on_invalid <cost>, an
 // estimate of that cost with no completion budget; a body that does not
 // arrive in time is errBodyTimeout.
@@ -129,7 +133,7 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		maxTokens = DefaultEstimateMaxTokens
 	}
 	est := tokenEstimate{prompt: req.PromptTokens, completion: req.Budget(maxTokens)}
-	if streamUsage && req.NeedsStreamUsage() {
+	if streamUsage && req.NeedsStreamUsage() && includesUsage(r.URL.Path) {
 		if out, changed, err := llm.WithStreamUsage(body, req); err == nil && changed {
 			setBody(r, out)
 			// The usage chunk is cut out of the stream on its way back,
@@ -140,6 +144,15 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		}
 	}
 	return est, nil
+}
+
+// includesUsage reports whether a request to path is one whose stream
+// reports usage with stream_options.include_usage: OpenAI's (and the
+// compatible APIs') chat completions and completions. Anthropic's messages
+// reject members they do not know, and the Responses API reports usage in
+// every stream, so their bodies are never changed.
+func includesUsage(path string) bool {
+	return strings.HasSuffix(path, "/chat/completions") || strings.HasSuffix(path, "/completions")
 }
 
 // setBody makes body r's body, with its Content-Length.
@@ -172,14 +185,20 @@ func (e *Estimate) readBody(w http.ResponseWriter, r *http.Request) ([]byte, err
 	}
 	rc := http.NewResponseController(w)
 	timed := rc.SetReadDeadline(time.Now().Add(timeout)) == nil
-	var body []byte
-	var err error
+	// The buffer grows as the bytes arrive: a Content-Length is only a
+	// claim, and allocating it up front let bodies that never came hold
+	// max_body each.
+	n := limit + 1
 	if r.ContentLength >= 0 {
-		body = make([]byte, r.ContentLength)
-		_, err = io.ReadFull(r.Body, body)
-	} else {
-		body, err = io.ReadAll(io.LimitReader(r.Body, limit+1))
+		n = r.ContentLength
 	}
+	var buf bytes.Buffer
+	buf.Grow(int(min(n, readChunk)))
+	_, err := buf.ReadFrom(io.LimitReader(r.Body, n))
+	if err == nil && r.ContentLength >= 0 && int64(buf.Len()) < r.ContentLength {
+		err = io.ErrUnexpectedEOF
+	}
+	body := buf.Bytes()
 	if timed {
 		_ = rc.SetReadDeadline(time.Time{})
 	}

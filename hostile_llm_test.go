@@ -84,19 +84,11 @@ func (g *hostileLLM) post(t *testing.T, path, user, body string) e2eResponse {
 // it has no key: a full bucket).
 func (g *hostileLLM) tokens(t *testing.T, user string) int64 {
 	t.Helper()
-	v := g.value(bucket.NewKeyer("rl:", "").Key("user", user, "tokens"))
-	if v == "" {
+	n, ok := decodeTokens(t, g.value(bucket.NewKeyer("rl:", "").Key("user", user, "tokens")))
+	if !ok {
 		return g.spec.Capacity
 	}
-	st, err := bucket.DecodeState(v)
-	if err != nil {
-		t.Fatal(err)
-	}
-	q := st.Units / st.Scale
-	if st.Units%st.Scale != 0 && st.Units < 0 {
-		q--
-	}
-	return q
+	return n
 }
 
 // waitTokens waits until user's bucket holds want whole tokens (a
@@ -412,5 +404,59 @@ func TestHostileTrickledBody(t *testing.T) {
 	}
 	if got := g.tokens(t, "slow"); got != 100_000 {
 		t.Errorf("bucket holds %d, want it untouched", got)
+	}
+}
+
+// TestIncludeUsageOnlyForChatCompletions: settle { include_usage } changes
+// only OpenAI chat completions and completions bodies. Anthropic's messages
+// reject members they do not know, and the Responses API reports usage in
+// every stream: their streamed bodies reach the provider byte for byte.
+func TestIncludeUsageOnlyForChatCompletions(t *testing.T) {
+	up := providertest.Start(t)
+	g := startGateway(t, strings.Replace(hostileLLMSite(up.Addr, 100_000, ""), "settle", "settle {\n\t\t\tinclude_usage\n\t\t}", 1))
+	for _, tc := range []struct{ path, body string }{
+		{"/v1/messages", `{"model":"claude","max_tokens":100,"stream":true,"messages":[{"role":"user","content":"abcd"}]}`},
+		{"/v1/responses", `{"model":"gpt-4.1","input":"abcd","stream":true}`},
+	} {
+		req, err := http.NewRequest(http.MethodPost, strings.TrimSuffix(g.url, "/")+tc.path, strings.NewReader(tc.body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("X-User", "u")
+		req.Header.Set("anthropic-version", "2023-06-01")
+		r, err := readResponse(g.client.Do(req))
+		if err != nil || r.status != http.StatusOK {
+			t.Fatalf("%s: %v %d %s", tc.path, err, r.status, r.body)
+		}
+		if got := string(up.Last(t).Body); got != tc.body {
+			t.Errorf("%s: the provider saw %s, want the body unchanged", tc.path, got)
+		}
+	}
+}
+
+// TestIncludeUsageFilteredWhenDegraded: when on_redis_error decides, the
+// body still goes upstream with include_usage added, and the client still
+// gets the stream it asked for: no usage-only chunk, no "usage":null.
+func TestIncludeUsageFilteredWhenDegraded(t *testing.T) {
+	up := providertest.Start(t)
+	site := strings.Replace(hostileLLMSite(up.Addr, 100_000, "on_redis_error allow"), "settle", "settle {\n\t\t\tinclude_usage\n\t\t}", 1)
+	site = strings.Replace(site, "timeout 10s", "timeout 100ms", 1)
+	g := startGateway(t, site)
+	g.redis.Stop()
+	body := `{"model":"m","stream":true,"max_tokens":100,"messages":[{"role":"user","content":"abcd"}]}`
+	req, err := http.NewRequest(http.MethodPost, g.url+"v1/chat/completions", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("X-User", "u")
+	r, err := readResponse(g.client.Do(req))
+	if err != nil || r.status != http.StatusOK {
+		t.Fatalf("%v %d %s", err, r.status, r.body)
+	}
+	if !up.Last(t).IncludeUsage {
+		t.Error("the provider was not asked for usage")
+	}
+	if strings.Contains(r.body, `"usage"`) || strings.Contains(r.body, `"choices":[]`) || !strings.Contains(r.body, "[DONE]") {
+		t.Errorf("the client got usage it did not ask for:\n%s", r.body)
 	}
 }

@@ -17,9 +17,6 @@ type request struct {
 	limits    []*limit
 	tokensCap int64 // the smallest capacity of its tokens limits; -1: none
 	demoted   bool  // decided on a demotion's penalty tier, or demoted by this denial
-	// streamUsage: the body was sent on with stream_options.include_usage
-	// added, so the usage chunks are taken out of the response.
-	streamUsage bool
 }
 
 // requestOf1 and requestOf4 hold a request and the arrays its slices use,
@@ -169,7 +166,6 @@ func (h *Handler) price(in *inputs, req *request) error {
 			req.takes[i].Cost = c
 		}
 	}
-	req.streamUsage = in.est.streamUsage
 	return nil
 }
 

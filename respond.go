@@ -379,7 +379,7 @@ func (h *Handler) record(x *exchange, v *verdict) {
 // by on_redis_error carry no rate-limit headers: one node's numbers would
 // mislead.
 func (h *Handler) respond(x *exchange, v *verdict, next caddyhttp.Handler) error {
-	w, r := x.w, x.r
+	w := x.w
 	switch {
 	case v.outcome == outcomeUnavailable && v.err != nil:
 		return caddyhttp.Error(http.StatusServiceUnavailable, v.err)
@@ -388,9 +388,9 @@ func (h *Handler) respond(x *exchange, v *verdict, next caddyhttp.Handler) error
 	case v.err != nil:
 		return h.rejectInput(w, v.err)
 	case !v.decided: // skipped, or on_redis_error allow
-		return next.ServeHTTP(w, r)
+		return h.serveNext(x, v, next)
 	case v.local && v.d.Allowed:
-		return next.ServeHTTP(w, r)
+		return h.serveNext(x, v, next)
 	case v.local:
 		var hs headerSet
 		var arr [64]byte
@@ -402,10 +402,7 @@ func (h *Handler) respond(x *exchange, v *verdict, next caddyhttp.Handler) error
 		return h.deny(w, v.tier, v.req, &v.d, &hs, b)
 	}
 	h.writeHeaders(w.Header(), v.tier, v.req.limits, &v.d)
-	if h.Settle != nil && v.req.hasTokens() {
-		return h.serveSettled(w, r, next, x.repl, v.req)
-	}
-	return next.ServeHTTP(w, r)
+	return h.serveNext(x, v, next)
 }
 
 // unavailable answers 503 for on_redis_error deny; never 429, which would

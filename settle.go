@@ -68,18 +68,34 @@ func (rec *usageRecorder) WriteHeader(code int) {
 	if !rec.wroteHeader && code >= 200 {
 		rec.wroteHeader = true
 		hdr := rec.Header()
-		ct, ce := hdr.Get("Content-Type"), hdr.Get("Content-Encoding")
+		ct, ce := hdr.Get("Content-Type"), strings.Join(hdr.Values("Content-Encoding"), ",")
 		rec.usage = llm.NewUsageReader(ct, ce)
 		// An encoded stream cannot be cut without re-encoding it: the
 		// upstream ignored the missing Accept-Encoding, and the client
 		// sees the usage chunk.
-		if rec.filterUsage && (ce == "" || strings.EqualFold(ce, "identity")) &&
-			strings.HasPrefix(strings.ToLower(ct), "text/event-stream") {
+		if rec.filterUsage && identityCoded(ce) && isEventStream(ct) {
 			rec.filter = llm.NewUsageChunkFilter(rec.ResponseWriter)
 			hdr.Del("Content-Length") // the filter shortens the body
 		}
 	}
 	rec.ResponseWriter.WriteHeader(code)
+}
+
+// identityCoded reports whether a Content-Encoding list applies no coding.
+func identityCoded(list string) bool {
+	for _, c := range strings.Split(list, ",") {
+		if c = strings.TrimSpace(c); c != "" && !strings.EqualFold(c, "identity") {
+			return false
+		}
+	}
+	return true
+}
+
+// isEventStream reports whether a Content-Type is text/event-stream, any
+// case, any parameters.
+func isEventStream(ct string) bool {
+	mt, _, _ := strings.Cut(ct, ";")
+	return strings.EqualFold(strings.TrimSpace(mt), "text/event-stream")
 }
 
 // Write reads p for usage before the client gets it, so that usage that
@@ -130,15 +146,27 @@ func (rec *usageRecorder) finish(s *Settle) (used int64, status llm.Status, part
 	return u.Total(), status, u.Partial
 }
 
-// serveSettled calls next with the response recorded for usage and
-// settles after it, also when next panics (reverse_proxy aborts a response
-// it cannot finish with http.ErrAbortHandler): the settlement runs, then
-// the panic goes on.
-func (h *Handler) serveSettled(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler,
-	repl *caddy.Replacer, req *request) error {
-	rec := &usageRecorder{ResponseWriter: w, filterUsage: req.streamUsage}
-	defer h.settle(r, repl, req, rec)
-	return next.ServeHTTP(rec, r)
+// serveNext calls next for an allowed request: through the usage
+// recorder, settling after the response, when Redis decided the request
+// and it is charged in tokens limits; through the usage chunk filter alone
+// when its body was sent with include_usage added but nothing is settled
+// (on_redis_error decided, or a demoted identity's tier has no tokens
+// limit), so the client still gets the stream it asked for; else directly.
+// The settlement runs also when next panics (reverse_proxy aborts a
+// response it cannot finish with http.ErrAbortHandler), then the panic
+// goes on.
+func (h *Handler) serveNext(x *exchange, v *verdict, next caddyhttp.Handler) error {
+	switch {
+	case h.Settle != nil && v.decided && !v.local && v.req.hasTokens():
+		rec := &usageRecorder{ResponseWriter: x.w, filterUsage: x.est.streamUsage}
+		defer h.settle(x.r, x.repl, v.req, rec)
+		return next.ServeHTTP(rec, x.r)
+	case x.est.streamUsage:
+		rec := &usageRecorder{ResponseWriter: x.w, filterUsage: true}
+		defer rec.finish(&Settle{})
+		return next.ServeHTTP(rec, x.r)
+	}
+	return next.ServeHTTP(x.w, x.r)
 }
 
 // settle charges or gives back the difference between the request's
