@@ -3,10 +3,12 @@ package tokenbucket
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -21,7 +23,9 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddytest"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
+	"github.com/token-bucket/token_bucket/bucket"
 	"github.com/token-bucket/token_bucket/internal/redistest"
 )
 
@@ -335,4 +339,106 @@ func provisionHandler(t testing.TB, h *Handler) *Handler {
 		cancel()
 	})
 	return h
+}
+
+// served is what a test reads of one request served in process.
+type served struct {
+	status   int
+	header   http.Header
+	body     string
+	err      error         // what ServeHTTP returned; status is its status code
+	degraded bool          // {http.token_bucket.degraded} is "true"
+	passed   bool          // the next handler ran
+	latency  time.Duration // of ServeHTTP
+}
+
+// serve sends GET / through h, from httptest's peer 192.0.2.1:1234, with
+// the headers given as name, value pairs; see serveFrom.
+func serve(h caddyhttp.MiddlewareHandler, headers ...string) served {
+	return serveFrom(h, "192.0.2.1:1234", headers...)
+}
+
+// serveUser is serve with the X-User header.
+func serveUser(h caddyhttp.MiddlewareHandler, user string) served { return serve(h, "X-User", user) }
+
+// serveFrom sends GET / through h from remoteAddr with the headers given as
+// name, value pairs, as Caddy's server would: a Replacer and the HTTP vars
+// in the context (a zero Server trusts no proxy: {http.vars.client_ip} is
+// the peer), and the next handler answering 200 with no body.
+func serveFrom(h caddyhttp.MiddlewareHandler, remoteAddr string, headers ...string) served {
+	req := httptest.NewRequest(http.MethodGet, "http://gateway.test/", nil)
+	req.RemoteAddr = remoteAddr
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Set(headers[i], headers[i+1])
+	}
+	rec := httptest.NewRecorder()
+	repl := caddy.NewReplacer()
+	req = caddyhttp.PrepareRequest(req, repl, rec, &caddyhttp.Server{})
+	var res served
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+		res.passed = true
+		w.WriteHeader(http.StatusOK)
+		return nil
+	})
+	start := time.Now()
+	res.err = h.ServeHTTP(rec, req, next)
+	res.latency = time.Since(start)
+	res.status, res.header, res.body = rec.Code, rec.Header(), rec.Body.String()
+	if res.err != nil {
+		res.status = http.StatusInternalServerError
+		var he caddyhttp.HandlerError
+		if errors.As(res.err, &he) {
+			res.status = he.StatusCode
+		}
+	}
+	res.degraded = repl.ReplaceAll("{http.token_bucket.degraded}", "") == "true"
+	return res
+}
+
+// wholeTokens is ⌊units/scale⌋ (units may be negative: a debt).
+func wholeTokens(st bucket.State) int64 {
+	q := st.Units / st.Scale
+	if st.Units%st.Scale != 0 && st.Units < 0 {
+		q--
+	}
+	return q
+}
+
+// decodeTokens returns the whole tokens of a bucket's stored value v, as
+// last written (without the refill since); ok is false when v is empty (no
+// key: a full bucket). A value that is not three exact integers of at most
+// 2^53 in magnitude, as the script writes them, fails the test.
+func decodeTokens(t testing.TB, v string) (tokens int64, ok bool) {
+	t.Helper()
+	if v == "" {
+		return 0, false
+	}
+	st, err := bucket.DecodeState(v)
+	if err != nil {
+		t.Fatalf("bucket value %q: %v", v, err)
+	}
+	for _, n := range []int64{st.Units, st.Scale, st.Last} {
+		if n > 1<<53 || n < -(1<<53) {
+			t.Fatalf("bucket value %q: %d is beyond 2^53", v, n)
+		}
+	}
+	if bucket.EncodeState(st) != v {
+		t.Fatalf("bucket value %q: not three exact integers", v)
+	}
+	if st.Scale <= 0 {
+		t.Fatalf("bucket value %q: scale %d", v, st.Scale)
+	}
+	return wholeTokens(st), true
+}
+
+// storedTokens returns the whole tokens of the bucket at key in c; a
+// missing key fails the test.
+func storedTokens(t testing.TB, c redis.Cmdable, key string) int64 {
+	t.Helper()
+	v, err := c.Get(context.Background(), key).Result()
+	if err != nil {
+		t.Fatalf("GET %s: %v", key, err)
+	}
+	n, _ := decodeTokens(t, v)
+	return n
 }

@@ -2,10 +2,8 @@ package tokenbucket
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net/http"
-	"net/http/httptest"
 	"os"
 	"regexp"
 	"runtime"
@@ -22,7 +20,6 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
 	"github.com/token-bucket/token_bucket/bucket"
 	"github.com/token-bucket/token_bucket/internal/redistest"
@@ -63,59 +60,15 @@ func foHandler(rc *RedisConfig, policy string, capacity int64) *Handler {
 	}
 }
 
-// foResult is what a test reads of one ServeHTTP.
-type foResult struct {
-	status   int
-	header   http.Header
-	body     string
-	degraded bool // {http.token_bucket.degraded} is "true"
-	passed   bool // the next handler ran
-	latency  time.Duration
-}
-
-// foServe sends GET / through h with the headers given as name, value
-// pairs, as Caddy's server would: a Replacer and the HTTP vars in the
-// context, and the next handler answering 200.
-func foServe(h caddyhttp.MiddlewareHandler, headers ...string) foResult {
-	req := httptest.NewRequest(http.MethodGet, "http://gateway.test/", nil)
-	for i := 0; i+1 < len(headers); i += 2 {
-		req.Header.Set(headers[i], headers[i+1])
-	}
-	rec := httptest.NewRecorder()
-	repl := caddy.NewReplacer()
-	req = caddyhttp.PrepareRequest(req, repl, rec, &caddyhttp.Server{})
-	var res foResult
-	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
-		res.passed = true
-		w.WriteHeader(http.StatusOK)
-		return nil
-	})
-	start := time.Now()
-	err := h.ServeHTTP(rec, req, next)
-	res.latency = time.Since(start)
-	res.status, res.header, res.body = rec.Code, rec.Header(), rec.Body.String()
-	if err != nil {
-		res.status = http.StatusInternalServerError
-		var he caddyhttp.HandlerError
-		if errors.As(err, &he) {
-			res.status = he.StatusCode
-		}
-	}
-	res.degraded = repl.ReplaceAll("{http.token_bucket.degraded}", "") == "true"
-	return res
-}
-
-func foUser(h caddyhttp.MiddlewareHandler, user string) foResult { return foServe(h, "X-User", user) }
-
 // fromRedis reports whether Redis decided r: it carries the RateLimit
 // headers, which degraded decisions omit.
-func (r foResult) fromRedis() bool { return r.header.Get("RateLimit") != "" && !r.degraded }
+func (r served) fromRedis() bool { return r.header.Get("RateLimit") != "" && !r.degraded }
 
 var foRateLimitHeaders = []string{"RateLimit-Policy", "RateLimit", "X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset"}
 
 // foWantRedis checks a decision made by Redis: the status and, for a
 // request that passed, the remaining tokens of X-RateLimit-Remaining.
-func foWantRedis(t *testing.T, what string, r foResult, status int, remaining int64) {
+func foWantRedis(t *testing.T, what string, r served, status int, remaining int64) {
 	t.Helper()
 	if r.status != status || r.degraded || r.header.Get("X-RateLimit-Remaining") != strconv.FormatInt(remaining, 10) {
 		t.Errorf("%s: status %d, degraded %v, X-RateLimit-Remaining %q; want %d from redis with %d remaining (body %q)",
@@ -128,7 +81,7 @@ func foWantRedis(t *testing.T, what string, r foResult, status int, remaining in
 
 // foWantDegraded checks a decision made without Redis: the status, the
 // degraded placeholder, and no RateLimit headers.
-func foWantDegraded(t *testing.T, what string, r foResult, status int) {
+func foWantDegraded(t *testing.T, what string, r served, status int) {
 	t.Helper()
 	if r.status != status || !r.degraded {
 		t.Errorf("%s: status %d, degraded %v; want %d, degraded (body %q)", what, r.status, r.degraded, status, r.body)
@@ -145,10 +98,10 @@ func foWantDegraded(t *testing.T, what string, r foResult, status int) {
 func foBurstFromRedis(t *testing.T, h *Handler, user string, capacity int64) {
 	t.Helper()
 	for i := int64(0); i < capacity; i++ {
-		foWantRedis(t, fmt.Sprintf("%s request %d", user, i+1), foUser(h, user), http.StatusOK, capacity-1-i)
+		foWantRedis(t, fmt.Sprintf("%s request %d", user, i+1), serveUser(h, user), http.StatusOK, capacity-1-i)
 	}
 	for i := 0; i < 2; i++ {
-		foWantRedis(t, fmt.Sprintf("%s request over the limit", user), foUser(h, user), http.StatusTooManyRequests, 0)
+		foWantRedis(t, fmt.Sprintf("%s request over the limit", user), serveUser(h, user), http.StatusTooManyRequests, 0)
 	}
 }
 
@@ -157,7 +110,7 @@ func foBurstFromRedis(t *testing.T, h *Handler, user string, capacity int64) {
 func foWaitRedisDecides(t *testing.T, h *Handler, user string, limit time.Duration) {
 	t.Helper()
 	redistest.WaitFor(t, limit, "decisions from redis", func() error {
-		if r := foUser(h, user); !r.fromRedis() {
+		if r := serveUser(h, user); !r.fromRedis() {
 			return fmt.Errorf("status %d, degraded %v", r.status, r.degraded)
 		}
 		return nil
@@ -194,7 +147,7 @@ func TestRedisKilledAndRestarted(t *testing.T) {
 				return
 			default:
 			}
-			n, _ := bgStatus.LoadOrStore(foUser(local, "background").status, new(atomic.Int64))
+			n, _ := bgStatus.LoadOrStore(serveUser(local, "background").status, new(atomic.Int64))
 			n.(*atomic.Int64).Add(1)
 			time.Sleep(time.Millisecond) // pacing the traffic, not timing a result
 		}
@@ -213,10 +166,10 @@ func TestRedisKilledAndRestarted(t *testing.T) {
 
 	t.Run("local", func(t *testing.T) {
 		for i := 0; i < 3; i++ {
-			foWantDegraded(t, fmt.Sprintf("request %d", i+1), foUser(local, "down"), http.StatusOK)
+			foWantDegraded(t, fmt.Sprintf("request %d", i+1), serveUser(local, "down"), http.StatusOK)
 		}
 		for i := 0; i < 5; i++ {
-			r := foUser(local, "down")
+			r := serveUser(local, "down")
 			foWantDegraded(t, "request over the limit", r, http.StatusTooManyRequests)
 			if r.header.Get("Retry-After") == "" {
 				t.Error("local denial without Retry-After")
@@ -228,7 +181,7 @@ func TestRedisKilledAndRestarted(t *testing.T) {
 	})
 	t.Run("allow", func(t *testing.T) {
 		for i := 0; i < 10; i++ {
-			r := foUser(allow, "down")
+			r := serveUser(allow, "down")
 			foWantDegraded(t, "allow", r, http.StatusOK)
 			if !r.passed {
 				t.Error("allow did not call the next handler")
@@ -237,7 +190,7 @@ func TestRedisKilledAndRestarted(t *testing.T) {
 	})
 	t.Run("deny", func(t *testing.T) {
 		for i := 0; i < 10; i++ {
-			r := foUser(deny, "down")
+			r := serveUser(deny, "down")
 			foWantDegraded(t, "deny", r, http.StatusServiceUnavailable)
 			if r.passed || r.body != foUnavailableBody || r.header.Get("Content-Type") != "application/json" {
 				t.Errorf("deny: passed %v, body %q, content type %q", r.passed, r.body, r.header.Get("Content-Type"))
@@ -257,8 +210,8 @@ func TestRedisKilledAndRestarted(t *testing.T) {
 
 	t.Run("after_restart", func(t *testing.T) {
 		foBurstFromRedis(t, local, "after", 3)
-		foWantRedis(t, "allow", foUser(allow, "after-allow"), http.StatusOK, 2)
-		foWantRedis(t, "deny", foUser(deny, "after-deny"), http.StatusOK, 2)
+		foWantRedis(t, "allow", serveUser(allow, "after-allow"), http.StatusOK, 2)
+		foWantRedis(t, "deny", serveUser(deny, "after-deny"), http.StatusOK, 2)
 		if cached, err := rdb.ScriptExists(ctx, lua.TokenBucket.Hash()).Result(); err != nil || !cached[0] {
 			t.Errorf("SCRIPT EXISTS = %v, %v; want the script loaded again", cached, err)
 		}
@@ -268,7 +221,7 @@ func TestRedisKilledAndRestarted(t *testing.T) {
 		if err := rdb.ScriptFlush(ctx).Err(); err != nil {
 			t.Fatal(err)
 		}
-		foWantRedis(t, "first request after SCRIPT FLUSH", foUser(local, "flushed"), http.StatusOK, 2)
+		foWantRedis(t, "first request after SCRIPT FLUSH", serveUser(local, "flushed"), http.StatusOK, 2)
 		if n := foCalls(t, rdb, "eval"); n == evals {
 			t.Errorf("no EVAL after SCRIPT FLUSH: the request did not meet NOSCRIPT")
 		}
@@ -330,7 +283,7 @@ func TestRedisHangs(t *testing.T) {
 
 	var up, hung, open []time.Duration
 	for i := 0; i < 50; i++ {
-		up = append(up, foUser(h, "u").latency)
+		up = append(up, serveUser(h, "u").latency)
 	}
 	// A success resets the breaker's count of failures in a row (a loaded
 	// machine may have made a call above miss the 50ms).
@@ -341,7 +294,7 @@ func TestRedisHangs(t *testing.T) {
 		if s := h.conn.breaker.State(); s != gobreaker.StateClosed {
 			t.Fatalf("breaker %v after %d failures, want closed", s, i-1)
 		}
-		r := foUser(h, "u")
+		r := serveUser(h, "u")
 		foWantDegraded(t, "request to a hung redis", r, http.StatusOK)
 		hung = append(hung, r.latency)
 	}
@@ -349,7 +302,7 @@ func TestRedisHangs(t *testing.T) {
 		t.Fatalf("breaker %v after 3 failures, want open", s)
 	}
 	for i := 0; i < 200; i++ {
-		r := foUser(h, "u")
+		r := serveUser(h, "u")
 		foWantDegraded(t, "request with the breaker open", r, http.StatusOK)
 		open = append(open, r.latency)
 	}
@@ -361,7 +314,7 @@ func TestRedisHangs(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for i := 0; i < 50; i++ {
-				r := foUser(h, "concurrent")
+				r := serveUser(h, "concurrent")
 				mu.Lock()
 				open = append(open, r.latency)
 				mu.Unlock()
@@ -395,18 +348,18 @@ func BenchmarkServeHTTP(b *testing.B) {
 	h.logger = zap.NewNop() // the timeouts that open the breaker are expected
 	b.Run("redis", func(b *testing.B) {
 		for b.Loop() {
-			if r := foUser(h, "bench"); !r.fromRedis() {
+			if r := serveUser(h, "bench"); !r.fromRedis() {
 				b.Fatalf("not decided by redis: %d", r.status)
 			}
 		}
 	})
 	srv.Pause(b)
 	for h.conn.breaker.State() != gobreaker.StateOpen {
-		foUser(h, "bench")
+		serveUser(h, "bench")
 	}
 	b.Run("redis_hung_breaker_open", func(b *testing.B) {
 		for b.Loop() {
-			if r := foUser(h, "bench"); !r.degraded || r.status != http.StatusOK {
+			if r := serveUser(h, "bench"); !r.degraded || r.status != http.StatusOK {
 				b.Fatalf("status %d, degraded %v", r.status, r.degraded)
 			}
 		}
@@ -424,7 +377,7 @@ func newFoTally() *foTally {
 		localAllowed: map[string]int{}, localDenied: map[string]int{}, failed: map[string]int{}}
 }
 
-func (c *foTally) add(id string, r foResult) {
+func (c *foTally) add(id string, r served) {
 	switch {
 	case r.status != http.StatusOK && r.status != http.StatusTooManyRequests:
 		c.failed[id]++
@@ -499,7 +452,7 @@ func TestSentinelFailover(t *testing.T) {
 			default:
 			}
 			for _, id := range ids {
-				r := foUser(h, id)
+				r := serveUser(h, id)
 				tally.add(id, r)
 				if killed.Load() && r.fromRedis() {
 					redisAfterKill.Add(1)
@@ -576,7 +529,7 @@ func TestSentinelFailover(t *testing.T) {
 			t.Errorf("new master: EXISTS %s = %d, %v", key, n, err)
 		}
 	}
-	foWantRedis(t, "after failover", foUser(h, "fresh"), http.StatusOK, capacity-1)
+	foWantRedis(t, "after failover", serveUser(h, "fresh"), http.StatusOK, capacity-1)
 	if n, err := newMaster.Exists(ctx, h.keyer.Key("user", "fresh", "")).Result(); err != nil || n != 1 {
 		t.Errorf("the decision after the failover was not written to the new master: %d, %v", n, err)
 	}
@@ -585,27 +538,12 @@ func TestSentinelFailover(t *testing.T) {
 var foItemRE = regexp.MustCompile(`"([A-Za-z0-9_-]+)";r=(\d+)`)
 
 // foRemaining returns the r= of each item of r's RateLimit header, by name.
-func foRemaining(r foResult) map[string]string {
+func foRemaining(r served) map[string]string {
 	out := map[string]string{}
 	for _, m := range foItemRE.FindAllStringSubmatch(r.header.Get("RateLimit"), -1) {
 		out[m[1]] = m[2]
 	}
 	return out
-}
-
-// foTokens returns the whole tokens a bucket holds in Redis, as last
-// written (without the refill since).
-func foTokens(t *testing.T, c redis.Cmdable, key string) int64 {
-	t.Helper()
-	v, err := c.Get(context.Background(), key).Result()
-	if err != nil {
-		t.Fatalf("GET %s: %v", key, err)
-	}
-	st, err := bucket.DecodeState(v)
-	if err != nil {
-		t.Fatalf("%s: %v", key, err)
-	}
-	return st.Units / st.Scale
 }
 
 // foClusterHandler limits X-User to userCap and X-IP to ipCap requests per
@@ -646,7 +584,7 @@ func TestClusterExactBurstAcrossSlots(t *testing.T) {
 		}
 		users++
 		for n := 0; n < 5; n++ {
-			r := foServe(h, "X-User", user, "X-IP", ip)
+			r := serve(h, "X-User", user, "X-IP", ip)
 			got := foRemaining(r)
 			wantIP := strconv.Itoa(100 - 5*(users-1) - n - 1)
 			if r.status != http.StatusOK || got["user"] != strconv.Itoa(4-n) || got["ip"] != wantIP {
@@ -656,14 +594,14 @@ func TestClusterExactBurstAcrossSlots(t *testing.T) {
 		for n := 0; n < 3; n++ {
 			// Redis and the deny cache both report the denying bucket
 			// alone; the ip bucket's refund is checked below.
-			r := foServe(h, "X-User", user, "X-IP", ip)
+			r := serve(h, "X-User", user, "X-IP", ip)
 			got := foRemaining(r)
 			if _, ip := got["ip"]; r.status != http.StatusTooManyRequests || got["user"] != "0" || ip {
 				t.Errorf("%s request %d over the limit: %d %v; want 429 user r=0 alone", user, n+1, r.status, got)
 			}
 		}
 	}
-	if got := foTokens(t, ipNode.Client(t), ipKey); got != 100-5*4 {
+	if got := storedTokens(t, ipNode.Client(t), ipKey); got != 100-5*4 {
 		t.Errorf("ip bucket holds %d tokens after 20 admitted requests and refunded denials, want 80", got)
 	}
 }
@@ -698,12 +636,12 @@ func TestClusterLostReplyNotReplayed(t *testing.T) {
 			[]string{h.keyer.Key("user", "pair", ""), h.keyer.Key("ip", "198.51.100.1/32", "")}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if r := foServe(h, tc.headers...); r.status != http.StatusOK || !r.fromRedis() {
+			if r := serve(h, tc.headers...); r.status != http.StatusOK || !r.fromRedis() {
 				t.Fatalf("first request: %d, degraded %v", r.status, r.degraded)
 			}
 			lost := proxy.Lost()
 			proxy.LoseReplyTo("evalsha")
-			r := foServe(h, tc.headers...)
+			r := serve(h, tc.headers...)
 			if proxy.Lost() != lost+1 {
 				t.Fatalf("the proxy lost %d replies, want 1", proxy.Lost()-lost)
 			}
@@ -711,7 +649,7 @@ func TestClusterLostReplyNotReplayed(t *testing.T) {
 				t.Errorf("request whose reply was lost: %d, degraded %v; want 503 by on_redis_error deny", r.status, r.degraded)
 			}
 			for _, key := range tc.keys {
-				if got := foTokens(t, rdb, key); got != 8 {
+				if got := storedTokens(t, rdb, key); got != 8 {
 					t.Errorf("%s holds %d tokens after one request and one whose reply was lost, want 8 (charged once each)", key, got)
 				}
 			}
@@ -842,14 +780,14 @@ func TestRedisAuth(t *testing.T) {
 	t.Run("wrong_password_local", func(t *testing.T) {
 		h := foHandler(with(func(rc *RedisConfig) { rc.Password = "not-s3cret" }), PolicyLocal, 2)
 		logs = append(logs, foCaptureLogs(t, logDir, h))
-		foWantDegraded(t, "request 1", foUser(h, "u"), http.StatusOK)
-		foWantDegraded(t, "request 2", foUser(h, "u"), http.StatusOK)
-		foWantDegraded(t, "request 3", foUser(h, "u"), http.StatusTooManyRequests)
+		foWantDegraded(t, "request 1", serveUser(h, "u"), http.StatusOK)
+		foWantDegraded(t, "request 2", serveUser(h, "u"), http.StatusOK)
+		foWantDegraded(t, "request 3", serveUser(h, "u"), http.StatusTooManyRequests)
 	})
 	t.Run("wrong_password_deny", func(t *testing.T) {
 		h := foHandler(with(func(rc *RedisConfig) { rc.Password = "s3cret-not" }), PolicyDeny, 2)
 		logs = append(logs, foCaptureLogs(t, logDir, h))
-		r := foUser(h, "u")
+		r := serveUser(h, "u")
 		foWantDegraded(t, "deny", r, http.StatusServiceUnavailable)
 		if r.body != foUnavailableBody {
 			t.Errorf("body %q", r.body)
@@ -857,20 +795,20 @@ func TestRedisAuth(t *testing.T) {
 	})
 	t.Run("no_password", func(t *testing.T) {
 		h := provisionHandler(t, foHandler(foRedis(srv.Addr), PolicyDeny, 2))
-		foWantDegraded(t, "no password", foUser(h, "u"), http.StatusServiceUnavailable)
+		foWantDegraded(t, "no password", serveUser(h, "u"), http.StatusServiceUnavailable)
 	})
 	t.Run("env_placeholder", func(t *testing.T) {
 		t.Setenv("REDIS_PASSWORD", "s3cret")
 		h := foHandler(with(func(rc *RedisConfig) { rc.Password = "{env.REDIS_PASSWORD}" }), PolicyDeny, 2)
 		logs = append(logs, foCaptureLogs(t, logDir, h))
-		foWantRedis(t, "right password", foUser(h, "u"), http.StatusOK, 1)
+		foWantRedis(t, "right password", serveUser(h, "u"), http.StatusOK, 1)
 	})
 	t.Run("acl_user_in_url", func(t *testing.T) {
 		t.Setenv("REDIS_URL", "redis://alice:alicepw@"+srv.Addr+"/0")
 		rc := with(func(rc *RedisConfig) { rc.Address, rc.URL = nil, "{env.REDIS_URL}" })
 		h := foHandler(rc, PolicyDeny, 2)
 		logs = append(logs, foCaptureLogs(t, logDir, h))
-		foWantRedis(t, "acl user", foUser(h, "v"), http.StatusOK, 1)
+		foWantRedis(t, "acl user", serveUser(h, "v"), http.StatusOK, 1)
 	})
 	t.Run("bad_url_error_hides_password", func(t *testing.T) {
 		// A URL that does not parse: Caddy logs the provisioning error.
@@ -925,24 +863,24 @@ func TestRedisTLS(t *testing.T) {
 	}
 
 	good := provisionHandler(t, foHandler(tlsConf(func(rc *RedisConfig) { rc.TLSCA = files.CA }), PolicyDeny, 3))
-	foWantRedis(t, "tls_ca", foUser(good, "u"), http.StatusOK, 2)
+	foWantRedis(t, "tls_ca", serveUser(good, "u"), http.StatusOK, 2)
 
 	url := provisionHandler(t, foHandler(tlsConf(func(rc *RedisConfig) {
 		rc.Address, rc.URL, rc.TLSCA = nil, "rediss://"+srv.Addr+"/0", files.CA
 	}), PolicyDeny, 3))
-	foWantRedis(t, "rediss:// with tls_ca", foUser(url, "u"), http.StatusOK, 1)
+	foWantRedis(t, "rediss:// with tls_ca", serveUser(url, "u"), http.StatusOK, 1)
 
 	system := provisionHandler(t, foHandler(tlsConf(func(rc *RedisConfig) { rc.TLS = true }), PolicyDeny, 3))
-	r := foUser(system, "u")
+	r := serveUser(system, "u")
 	foWantDegraded(t, "tls with the system roots", r, http.StatusServiceUnavailable)
 
 	wrong := provisionHandler(t, foHandler(tlsConf(func(rc *RedisConfig) { rc.TLSCA = other.CA }), PolicyLocal, 3))
-	foWantDegraded(t, "tls_ca of another CA", foUser(wrong, "u"), http.StatusOK)
+	foWantDegraded(t, "tls_ca of another CA", serveUser(wrong, "u"), http.StatusOK)
 
 	plain := provisionHandler(t, foHandler(foRedis(srv.Addr), PolicyDeny, 3))
-	foWantDegraded(t, "no tls", foUser(plain, "u"), http.StatusServiceUnavailable)
+	foWantDegraded(t, "no tls", serveUser(plain, "u"), http.StatusServiceUnavailable)
 
-	foWantRedis(t, "tls_ca again", foUser(good, "u"), http.StatusOK, 0)
+	foWantRedis(t, "tls_ca again", serveUser(good, "u"), http.StatusOK, 0)
 }
 
 // foReady provisions a readiness handler.
@@ -976,7 +914,7 @@ func TestReadiness(t *testing.T) {
 
 	want := func(what string, rd *Ready, status int, body string) {
 		t.Helper()
-		r := foServe(rd)
+		r := serve(rd)
 		if r.status != status || r.body != body || r.header.Get("Content-Type") != "application/json" {
 			t.Errorf("%s: %d %q (%s); want %d %q", what, r.status, r.body, r.header.Get("Content-Type"), status, body)
 		}
@@ -991,13 +929,13 @@ func TestReadiness(t *testing.T) {
 	want("down", strict, http.StatusServiceUnavailable, `{"status":"unavailable","redis":"down","breaker":"closed"}`+"\n")
 	want("down, allow_degraded", lenient, http.StatusOK, `{"status":"degraded","redis":"down","breaker":"closed"}`+"\n")
 	for i := 0; i < 3; i++ {
-		foUser(h, "u")
+		serveUser(h, "u")
 	}
 	want("down, breaker open", strict, http.StatusServiceUnavailable, `{"status":"unavailable","redis":"down","breaker":"open"}`+"\n")
 
 	srv.Restart(t)
 	redistest.WaitFor(t, 5*time.Second, "the probe to see redis again", func() error {
-		if r := foServe(strict); r.status != http.StatusOK {
+		if r := serve(strict); r.status != http.StatusOK {
 			return fmt.Errorf("%d %s", r.status, r.body)
 		}
 		return nil

@@ -8,7 +8,6 @@ import (
 	"math"
 	"math/rand/v2"
 	"net/http"
-	"net/http/httptest"
 	"os"
 	"regexp"
 	"sort"
@@ -18,10 +17,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
 	"github.com/token-bucket/token_bucket/bucket"
 	"github.com/token-bucket/token_bucket/internal/redistest"
@@ -202,13 +198,13 @@ func TestGatewaysShareOneRedisExactly(t *testing.T) {
 		if allowed != u.capacity || denied != u.requests-u.capacity {
 			t.Errorf("%s (%s): %d × 200 and %d × 429, want exactly %d and %d", u.name, u.tier, allowed, denied, u.capacity, u.requests-u.capacity)
 		}
-		if got := gwStoredTokens(t, rdb, keyer.Key("user", u.name, "")); got != 0 {
+		if got := storedTokens(t, rdb, keyer.Key("user", u.name, "")); got != 0 {
 			t.Errorf("%s: user bucket holds %d whole tokens, want 0", u.name, got)
 		}
 	}
 	for _, org := range []string{"org-a", "org-b", "org-c"} {
 		want := gwOrgCapacity - orgCharged[org]
-		got := gwStoredTokens(t, rdb, keyer.Key("org", org, UnitTokens))
+		got := storedTokens(t, rdb, keyer.Key("org", org, UnitTokens))
 		t.Logf("%-8s tokens: %d allowed cost charged, %d left (want %d)", org, orgCharged[org], got, want)
 		if got != want {
 			t.Errorf("%s: tokens bucket holds %d, want %d - %d = %d", org, got, gwOrgCapacity, orgCharged[org], want)
@@ -346,49 +342,12 @@ func storedBucket(v string) (units, scale, last int64, err error) {
 	return 0, 0, 0, fmt.Errorf("bucket value %q: neither \"<units> <scale> <last_us>\" nor 24 bytes", v)
 }
 
-// gwStoredTokens returns the whole tokens stored at key; a missing key is
-// a failure.
-func gwStoredTokens(t *testing.T, rdb *redis.Client, key string) int64 {
-	t.Helper()
-	v, err := rdb.Get(context.Background(), key).Result()
-	if err != nil {
-		t.Fatalf("GET %s: %v", key, err)
-	}
-	units, scale, _, err := storedBucket(v)
-	if err != nil || scale <= 0 {
-		t.Fatalf("%s: %v (scale %d)", key, err, scale)
-	}
-	return units / scale
-}
-
 // inprocHandler provisions h as Caddy would and cleans it up at the end of
 // the test. A non-nil now replaces the handler's clock.
 func inprocHandler(t *testing.T, h *Handler, now func() time.Time) *Handler {
 	t.Helper()
 	h.now = now
 	return provisionHandler(t, h)
-}
-
-// inprocServe sends one request through h from remoteAddr with the headers
-// given as name, value pairs; the next handler answers 200 "next".
-func inprocServe(t *testing.T, h *Handler, remoteAddr string, headers ...string) *httptest.ResponseRecorder {
-	t.Helper()
-	req := httptest.NewRequest(http.MethodGet, "http://gateway.test/v1/chat/completions", nil)
-	req.RemoteAddr = remoteAddr
-	for i := 0; i+1 < len(headers); i += 2 {
-		req.Header.Set(headers[i], headers[i+1])
-	}
-	w := httptest.NewRecorder()
-	// A zero Server trusts no proxy: {http.vars.client_ip} is the peer.
-	req = caddyhttp.PrepareRequest(req, caddy.NewReplacer(), w, &caddyhttp.Server{})
-	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
-		_, err := w.Write([]byte("next"))
-		return err
-	})
-	if err := h.ServeHTTP(w, req, next); err != nil {
-		t.Fatalf("ServeHTTP: %v", err)
-	}
-	return w
 }
 
 // inprocUserHandler is a handler with one user dimension (from the X-User
@@ -424,10 +383,13 @@ func TestSkewedGatewayClocksDecideAlike(t *testing.T) {
 	}
 	for i := 0; i < capacity; i++ {
 		h := handlers[i%2]
-		w := inprocServe(t, h, "192.0.2.1:1234", "X-User", "alice")
+		w := serveFrom(h, "192.0.2.1:1234", "X-User", "alice")
+		if w.err != nil {
+			t.Fatalf("ServeHTTP: %v", w.err)
+		}
 		want := strconv.Itoa(capacity - 1 - i)
-		if w.Code != http.StatusOK || w.Header().Get("X-RateLimit-Remaining") != want {
-			t.Fatalf("request %d (handler %d): %d, remaining %q; want 200, %s", i+1, i%2, w.Code, w.Header().Get("X-RateLimit-Remaining"), want)
+		if w.status != http.StatusOK || w.header.Get("X-RateLimit-Remaining") != want {
+			t.Fatalf("request %d (handler %d): %d, remaining %q; want 200, %s", i+1, i%2, w.status, w.header.Get("X-RateLimit-Remaining"), want)
 		}
 	}
 	after, err := rdb.Time(ctx).Result()
@@ -436,11 +398,14 @@ func TestSkewedGatewayClocksDecideAlike(t *testing.T) {
 	}
 	var denials []string
 	for i, h := range []*Handler{ahead, onTime, ahead, onTime} {
-		w := inprocServe(t, h, "192.0.2.1:1234", "X-User", "alice")
-		if w.Code != http.StatusTooManyRequests {
-			t.Fatalf("denial %d: status %d, want 429", i+1, w.Code)
+		w := serveFrom(h, "192.0.2.1:1234", "X-User", "alice")
+		if w.err != nil {
+			t.Fatalf("ServeHTTP: %v", w.err)
 		}
-		denials = append(denials, w.Header().Get("Retry-After")+" "+w.Header().Get("X-RateLimit-Remaining")+" "+w.Header().Get("RateLimit-Policy"))
+		if w.status != http.StatusTooManyRequests {
+			t.Fatalf("denial %d: status %d, want 429", i+1, w.status)
+		}
+		denials = append(denials, w.header.Get("Retry-After")+" "+w.header.Get("X-RateLimit-Remaining")+" "+w.header.Get("RateLimit-Policy"))
 	}
 	for i, d := range denials {
 		if d != `3600 0 "user";q=10;w=36000` {

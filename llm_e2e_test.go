@@ -280,15 +280,6 @@ func (lg *llmGateway) markers(key string) []string {
 	return out
 }
 
-// wholeTokens is ⌊units/scale⌋ (units may be negative: a debt).
-func wholeTokens(st bucket.State) int64 {
-	q := st.Units / st.Scale
-	if st.Units%st.Scale != 0 && st.Units < 0 {
-		q--
-	}
-	return q
-}
-
 // llmSpec compiles a limit written as in the Caddyfile.
 func llmSpec(t *testing.T, capacity int64, refill string) bucket.Spec {
 	t.Helper()

@@ -9,7 +9,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/http/httptest"
 	"os"
 	"regexp"
 	"slices"
@@ -28,7 +27,6 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
 	"github.com/token-bucket/token_bucket/bucket"
 	"github.com/token-bucket/token_bucket/internal/redistest"
@@ -524,38 +522,17 @@ func TestProvisionWithoutMetricsRegistry(t *testing.T) {
 	}
 	defer h.Cleanup()
 	for i, want := range []int{200, 429} {
-		if got := serveDirect(t, h, "alice"); got != want {
-			t.Errorf("request %d: status %d, want %d", i+1, got, want)
+		r := serveUser(h, "alice")
+		if r.err != nil {
+			t.Fatal(r.err)
+		}
+		if r.status != want {
+			t.Errorf("request %d: status %d, want %d", i+1, r.status, want)
 		}
 	}
 	var none *handlerMetrics
 	none.count(nil, outcomeAllowed, true)
 	(&Handler{}).observe(nil, nil, nil, nil, false)
-}
-
-// serveDirect runs one GET with X-User through h, outside any server, and
-// returns the status.
-func serveDirect(t *testing.T, h *Handler, user string) int {
-	t.Helper()
-	req := httptest.NewRequest(http.MethodGet, "/", nil)
-	req.Header.Set("X-User", user)
-	repl := caddy.NewReplacer()
-	req = req.WithContext(context.WithValue(req.Context(), caddy.ReplacerCtxKey, repl))
-	repl.Map(func(key string) (any, bool) {
-		if name, ok := strings.CutPrefix(key, "http.request.header."); ok {
-			return req.Header.Get(name), true
-		}
-		return nil, false
-	})
-	w := httptest.NewRecorder()
-	err := h.ServeHTTP(w, req, caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
-		w.WriteHeader(http.StatusOK)
-		return nil
-	}))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return w.Code
 }
 
 // TestDashboardQueriesExistingMetrics checks that the Grafana dashboard

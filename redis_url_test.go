@@ -225,9 +225,9 @@ func TestRedisURLDecides(t *testing.T) {
 	decide := func(t *testing.T, rc *RedisConfig) *Handler {
 		t.Helper()
 		h := provisionHandler(t, foHandler(rc, PolicyDeny, capacity))
-		foWantRedis(t, "request 1", foUser(h, "alice"), http.StatusOK, 1)
-		foWantRedis(t, "request 2", foUser(h, "alice"), http.StatusOK, 0)
-		foWantRedis(t, "request 3", foUser(h, "alice"), http.StatusTooManyRequests, 0)
+		foWantRedis(t, "request 1", serveUser(h, "alice"), http.StatusOK, 1)
+		foWantRedis(t, "request 2", serveUser(h, "alice"), http.StatusOK, 0)
+		foWantRedis(t, "request 3", serveUser(h, "alice"), http.StatusTooManyRequests, 0)
 		return h
 	}
 
