@@ -512,7 +512,10 @@ func TestHostileCosts(t *testing.T) {
 // spaces inside, braces, a path, a repeated header, 8 KB) gets the default
 // tier's limits, never another tier's: the body names the tier and the
 // stored bucket has the default limit's scale (free: 1 token a minute,
-// 6·10^7 units a token; gold: 1 an hour, 3.6·10^9).
+// 6·10^7 units a token; gold: 1 an hour, 3.6·10^9). Then, with a free tier
+// of 1 token an hour, a tier_from that is empty or names no tier (case
+// matters) gets default_tier's RateLimit-Policy, never a tier of its
+// choosing.
 func TestHostileTierNames(t *testing.T) {
 	g := startGateway(t, `
 	token_bucket {
@@ -565,12 +568,53 @@ func TestHostileTierNames(t *testing.T) {
 			t.Errorf("X-Tier %.40q: stored scale %d (%v), want %d (tier %s)", tc.tiers, scale, err, wantScale, tc.want)
 		}
 	}
+
+	// A raw header is the tier source only to drive the test; see tier_from.
+	g.load(`
+	token_bucket {
+		redis redis://REDIS_ADDR {
+			timeout 30s
+		}
+		dimension user {http.request.header.X-User}
+		tier_from {http.request.header.X-Tier}
+		default_tier free
+		tier gold {
+			user 100 1/1h
+		}
+		tier free {
+			user 3 1/1h
+		}
+	}
+	respond "{http.token_bucket.tier}"`)
+	for i, tc := range []struct {
+		header []string
+		tier   string
+		policy string
+	}{
+		{[]string{"X-Tier", "gold"}, "gold", `"user";q=100;w=360000`},
+		{[]string{"X-Tier", "free"}, "free", `"user";q=3;w=10800`},
+		{[]string{"X-Tier", "platinum"}, "free", `"user";q=3;w=10800`},
+		{[]string{"X-Tier", "GOLD"}, "free", `"user";q=3;w=10800`},
+		{[]string{"X-Tier", ""}, "free", `"user";q=3;w=10800`},
+		{nil, "free", `"user";q=3;w=10800`},
+	} {
+		r := g.get(append([]string{"X-User", "user-" + strconv.Itoa(i)}, tc.header...)...)
+		what := fmt.Sprintf("tier header %q", tc.header)
+		if r.status != http.StatusOK || r.body != tc.tier {
+			t.Errorf("%s: %d %q, want 200 %q", what, r.status, r.body, tc.tier)
+		}
+		wantHeaders(t, what, r.header, "RateLimit-Policy", tc.policy)
+	}
 }
 
 // TestThousandConnectionsSpendExactlyCapacity opens 1,000 connections at
 // once, each from a goroutine with its own Transport, for one identity at
 // a bucket of 100 that refills 1 token a day: exactly 100 × 200 and 900 ×
 // 429, no transport error, and the bucket left with no whole token.
+// Then 200 requests at once on the gateway's one client, for one identity
+// at a bucket of 50 that refills 1 token a day: the script's atomicity lets
+// exactly 50 through. on_redis_error deny makes a Redis failure show as 503
+// rather than as a local allow.
 func TestThousandConnectionsSpendExactlyCapacity(t *testing.T) {
 	g := startGateway(t, `
 	token_bucket {
@@ -627,4 +671,32 @@ func TestThousandConnectionsSpendExactlyCapacity(t *testing.T) {
 	}
 	key := bucket.NewKeyer("rl:", "").Key("user", "swarm", "")
 	hostileWantKeys(t, "swarm", hostileKeys(t, g), g.value, map[string]int64{key: 0})
+
+	g.load(userLimit("user 50 1/1d", "on_redis_error deny") + "\nrespond \"ok\"")
+	const shared = 200
+	counts, errs = map[int]int{}, nil
+	ready := make(chan struct{})
+	for i := 0; i < shared; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-ready
+			r, err := g.tryGet("X-User", "agent-007")
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				errs = append(errs, err)
+				return
+			}
+			counts[r.status]++
+		}()
+	}
+	close(ready)
+	wg.Wait()
+	if len(errs) > 0 {
+		t.Fatalf("%d requests failed, first: %v", len(errs), errs[0])
+	}
+	if counts[200] != 50 || counts[429] != 150 || len(counts) != 2 {
+		t.Errorf("statuses %v, want exactly 50 × 200 and 150 × 429", counts)
+	}
 }
