@@ -33,13 +33,13 @@ type verdict struct {
 	err     error           // invalid input (errInvalidBody, errBodyTimeout, errInvalidCost), or the local store's failure
 }
 
-// build resolves the request's tier and the buckets of its identities.
-func (h *Handler) build(w http.ResponseWriter, r *http.Request) *exchange {
+// build resolves the request's tier and the buckets of its identities into
+// x (the caller's, so that it stays on the stack).
+func (h *Handler) build(x *exchange, w http.ResponseWriter, r *http.Request) {
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	x := &exchange{inputs: inputs{w: w, r: r, repl: repl}}
+	*x = exchange{inputs: inputs{w: w, r: r, repl: repl}}
 	x.tier = h.resolveTier(repl)
 	x.req = h.bucketsOf(&x.inputs, x.tier)
-	return x
 }
 
 // decide decides the request's buckets and returns the verdict, in this

@@ -244,10 +244,11 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if h.conn.hold() {
 		defer h.conn.release()
 	}
-	x := h.build(w, r)
-	v := h.decide(x)
-	h.record(x, &v)
-	return h.respond(x, &v, next)
+	var x exchange
+	h.build(&x, w, r)
+	v := h.decide(&x)
+	h.record(&x, &v)
+	return h.respond(&x, &v, next)
 }
 
 var errDenied = errors.New("rate limit exceeded")
