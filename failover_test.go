@@ -17,7 +17,6 @@ import (
 
 	"github.com/redis/go-redis/v9"
 	"github.com/sony/gobreaker/v2"
-	"go.uber.org/zap"
 
 	"github.com/caddyserver/caddy/v2"
 
@@ -334,36 +333,6 @@ func TestRedisHangs(t *testing.T) {
 
 	srv.Resume(t)
 	foWaitRedisDecides(t, h, "resumed", 10*time.Second)
-}
-
-// BenchmarkServeHTTP measures one decision through the handler: by Redis,
-// and with Redis hung and the breaker open (the local store decides).
-func BenchmarkServeHTTP(b *testing.B) {
-	srv := redistest.Start(b)
-	// A timeout long enough that a busy machine never turns a Redis
-	// decision into a local one; opening the breaker below costs 3 of them.
-	rc := &RedisConfig{Address: []string{srv.Addr}, Timeout: caddy.Duration(time.Second),
-		BreakerFailures: 3, BreakerCooldown: caddy.Duration(time.Hour)}
-	h := provisionHandler(b, foHandler(rc, PolicyLocal, 1<<20))
-	h.logger = zap.NewNop() // the timeouts that open the breaker are expected
-	b.Run("redis", func(b *testing.B) {
-		for b.Loop() {
-			if r := serveUser(h, "bench"); !r.fromRedis() {
-				b.Fatalf("not decided by redis: %d", r.status)
-			}
-		}
-	})
-	srv.Pause(b)
-	for h.conn.breaker.State() != gobreaker.StateOpen {
-		serveUser(h, "bench")
-	}
-	b.Run("redis_hung_breaker_open", func(b *testing.B) {
-		for b.Loop() {
-			if r := serveUser(h, "bench"); !r.degraded || r.status != http.StatusOK {
-				b.Fatalf("status %d, degraded %v", r.status, r.degraded)
-			}
-		}
-	})
 }
 
 // foTally counts the outcomes of the requests sent during a failover.
