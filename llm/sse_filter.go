@@ -189,16 +189,27 @@ func (f *UsageChunkFilter) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-// Close writes on, unfiltered, the event still arriving when the stream
-// ends (one without the blank line that would end it), and returns the
-// error of the last write. It is for the end of the stream, not for
-// every flush: an event written on by Close is not filtered.
+// Close writes on the event still arriving when the stream ends (one cut
+// before the blank line that would end it), filtered as a whole event
+// would be, and returns the error of the last write. It is for the end of
+// the stream, not for every flush.
 func (f *UsageChunkFilter) Close() error {
 	if f.err != nil {
 		return f.err
 	}
 	if len(f.hold) > 0 {
-		_, f.err = f.w.Write(f.hold)
+		out := f.hold
+		if !f.pass {
+			switch edited, drop := f.filter(f.hold); {
+			case drop:
+				out = nil
+			case edited != nil:
+				out = edited
+			}
+		}
+		if len(out) > 0 {
+			_, f.err = f.w.Write(out)
+		}
 		f.hold = f.hold[:0]
 		f.pass = true // the rest of that event, if any, follows unfiltered
 	}
@@ -217,7 +228,11 @@ func (f *UsageChunkFilter) filter(ev []byte) (edited []byte, drop bool) {
 	f.data = f.data[:0]
 	var data []byte
 	dataAt, lines := 0, 0
-	for at := 0; at < len(ev); {
+	start := 0
+	if bytes.HasPrefix(ev, []byte(sseBOM)) { // the stream's first event
+		start = len(sseBOM)
+	}
+	for at := start; at < len(ev); {
 		rest := ev[at:]
 		k := sseLineEnd(rest)
 		if k < 0 {

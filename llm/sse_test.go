@@ -125,6 +125,10 @@ func TestUsageChunkFilter(t *testing.T) {
 		{"anthropic_crlf", strings.ReplaceAll(anthropic, "\n", "\r\n"), strings.ReplaceAll(anthropic, "\n", "\r\n")},
 		{"responses", responses, responses},
 		{"done", "data: [DONE]\n\n", "data: [DONE]\n\n"},
+		{"bom", "\xef\xbb\xbf" + gatewayStream, "\xef\xbb\xbf" + clientStream},
+		// A stream cut right after its usage chunk, before the blank line.
+		{"cut_after_usage", "data: {\"choices\":[],\"usage\":{\"total_tokens\":3}}\n", ""},
+		{"cut_after_null", "data: {\"id\":1,\"usage\":null}", "data: {\"id\":1}"},
 		{"comments_kept", ": keep-alive\n\n" + gatewayStream, ": keep-alive\n\n" + clientStream},
 		{"blank_lines_kept", "\n\n" + gatewayStream + "\n", "\n\n" + clientStream + "\n"},
 		{"usage_first", "data: {\"usage\":null,\"id\":\"x\"}\n\n", "data: {\"id\":\"x\"}\n\n"},
@@ -145,7 +149,7 @@ func TestUsageChunkFilter(t *testing.T) {
 		{"not_json_kept", "data: {\"usage\":null\n\n", "data: {\"usage\":null\n\n"},
 		{"trailing_garbage_kept", "data: {\"usage\":null} x\n\n", "data: {\"usage\":null} x\n\n"},
 		{"duplicate_kept", "data: {\"usage\":null,\"usage\":null}\n\n", "data: {\"usage\":null,\"usage\":null}\n\n"},
-		{"no_blank_line_at_end", "data: {\"usage\":null}\n\ndata: {\"usage\":null}", "data: {}\n\ndata: {\"usage\":null}"},
+		{"no_blank_line_at_end", "data: {\"usage\":null}\n\ndata: {\"usage\":null}", "data: {}\n\ndata: {}"},
 		{"usage_chunk_cr_then_lf_apart", "data: {\"choices\":[],\"usage\":{}}\r\r\ndata: 1\n\n", "data: 1\n\n"},
 	} {
 		t.Run(tc.name, func(t *testing.T) { checkFilter(t, tc.in, tc.want) })
