@@ -73,11 +73,20 @@ var (
 	errBodyTimeout = errors.New("request body did not arrive within estimate.read_timeout")
 )
 
-// provision builds the tokenizer (a BPE encoder is built once per process
-// and shared).
+// provision sets the defaults of the unset fields and builds the
+// tokenizer (a BPE encoder is built once per process and shared).
 func (e *Estimate) provision() error {
 	if e == nil {
 		return nil
+	}
+	if e.MaxBody == 0 {
+		e.MaxBody = DefaultEstimateMaxBody
+	}
+	if e.DefaultMaxTokens == 0 {
+		e.DefaultMaxTokens = DefaultEstimateMaxTokens
+	}
+	if e.ReadTimeout == 0 {
+		e.ReadTimeout = caddy.Duration(DefaultEstimateReadTimeout)
 	}
 	tok, err := llm.ParseTokenizer(e.Tokenizer)
 	if err != nil {
@@ -128,11 +137,7 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 	if err != nil {
 		return e.invalid()
 	}
-	maxTokens := e.DefaultMaxTokens
-	if maxTokens <= 0 {
-		maxTokens = DefaultEstimateMaxTokens
-	}
-	est := tokenEstimate{prompt: req.PromptTokens, completion: req.Budget(maxTokens)}
+	est := tokenEstimate{prompt: req.PromptTokens, completion: req.Budget(e.DefaultMaxTokens)}
 	if streamUsage && req.NeedsStreamUsage() && includesUsage(r.URL.Path) {
 		if out, changed, err := llm.WithStreamUsage(body, req); err == nil && changed {
 			setBody(r, out)
@@ -173,16 +178,10 @@ func setBody(r *http.Request, body []byte) {
 // cleared once the read is done, so it never cuts the response short.
 func (e *Estimate) readBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {
 	limit := e.MaxBody
-	if limit <= 0 {
-		limit = DefaultEstimateMaxBody
-	}
 	if r.Body == nil || r.Body == http.NoBody || r.ContentLength > limit {
 		return nil, errInvalidBody
 	}
 	timeout := time.Duration(e.ReadTimeout)
-	if timeout <= 0 {
-		timeout = DefaultEstimateReadTimeout
-	}
 	rc := http.NewResponseController(w)
 	timed := rc.SetReadDeadline(time.Now().Add(timeout)) == nil
 	// The buffer grows as the bytes arrive: a Content-Length is only a

@@ -77,6 +77,9 @@ func TestEstimateTable(t *testing.T) {
 			if e == nil {
 				e = &Estimate{}
 			}
+			if err := e.provision(); err != nil {
+				t.Fatal(err)
+			}
 			var req *http.Request
 			if tc.body == "<nil>" {
 				req = httptest.NewRequest(http.MethodPost, "/v1/chat/completions", nil)
@@ -108,7 +111,11 @@ func TestEstimateTable(t *testing.T) {
 func TestEstimateOversizedBodyReadsBackWhole(t *testing.T) {
 	body := bytes.Repeat([]byte("0123456789abcdef"), 1<<16) // 1 MiB
 	req := httptest.NewRequest(http.MethodPost, "/", bytes.NewReader(body))
-	if _, err := (&Estimate{MaxBody: 1000}).estimate(httptest.NewRecorder(), req, false); !errors.Is(err, errInvalidBody) {
+	e := &Estimate{MaxBody: 1000}
+	if err := e.provision(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.estimate(httptest.NewRecorder(), req, false); !errors.Is(err, errInvalidBody) {
 		t.Fatalf("err %v, want errInvalidBody", err)
 	}
 	got, err := io.ReadAll(req.Body)

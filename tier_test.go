@@ -114,6 +114,9 @@ func TestInputsResolveOnce(t *testing.T) {
 	}, "", 1)
 	h := &Handler{Dimensions: dims, Estimate: &Estimate{}, keyer: bucket.NewKeyer("rl:", ""),
 		IPv4Prefix: 32, IPv6Prefix: 64, idKeys: []string{"http.request.header.X-User"}}
+	if err := h.Estimate.provision(); err != nil {
+		t.Fatal(err)
+	}
 	newInputs := func(body string) (*inputs, *http.Request) {
 		r := httptest.NewRequest("POST", "/", strings.NewReader(body))
 		r.Header.Set("X-User", "alice")
