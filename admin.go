@@ -152,7 +152,7 @@ func listHandlers() []handlerInfo {
 	out := make([]handlerInfo, 0, len(handlers.list))
 	for i, h := range handlers.list {
 		hi := handlerInfo{ID: i, KeyPrefix: h.KeyPrefix, Dimensions: h.Dimensions, TierFrom: h.TierFrom,
-			DefaultTier: h.deflt.name, OnRedisError: h.policy(), Tiers: make([]tierInfo, 0, len(h.Tiers))}
+			DefaultTier: h.deflt.name, OnRedisError: h.OnRedisError, Tiers: make([]tierInfo, 0, len(h.Tiers))}
 		if hi.Dimensions == nil {
 			hi.Dimensions = []Dimension{}
 		}

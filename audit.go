@@ -56,11 +56,11 @@ type AuditOptions struct {
 }
 
 func (a AuditOptions) validate() error {
-	switch {
-	case a.AuditWindow < 0:
-		return fmt.Errorf("audit_window %v: must be > 0", time.Duration(a.AuditWindow))
-	case a.AuditBuckets < 0:
-		return fmt.Errorf("audit_buckets %d: must be > 0", a.AuditBuckets)
+	if err := durationRule(time.Duration(a.AuditWindow)); a.AuditWindow != 0 && err != nil {
+		return fmt.Errorf("audit_window %v: %v", time.Duration(a.AuditWindow), err)
+	}
+	if err := positiveRule(int64(a.AuditBuckets)); a.AuditBuckets != 0 && err != nil {
+		return fmt.Errorf("audit_buckets %d: %v", a.AuditBuckets, err)
 	}
 	return nil
 }

@@ -132,8 +132,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if v, err = oneArg(d); err == nil {
 				if v == "off" {
 					h.DenyCache = -1
-				} else if n, perr := strconv.Atoi(v); perr != nil || n <= 0 {
-					return d.Errf("invalid deny_cache %q: must be a number of buckets > 0, or off", v)
+				} else if n, perr := strconv.Atoi(v); perr != nil || positiveRule(int64(n)) != nil {
+					return d.Errf("invalid deny_cache %q: %v, or off", v, errPositive)
 				} else {
 					h.DenyCache = n
 				}
@@ -142,8 +142,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			var v string
 			if v, err = oneArg(d); err == nil {
 				share, perr := strconv.ParseFloat(v, 64)
-				if perr != nil || !(share > 0 && share <= 1) {
-					return d.Errf("invalid local_share %q: must be a fraction > 0 and ≤ 1", v)
+				if perr != nil || shareRule(share) != nil {
+					return d.Errf("invalid local_share %q: %v", v, errShare)
 				}
 				h.LocalShare = share
 			}
@@ -207,14 +207,14 @@ func (h *Handler) unmarshalCost(d *caddyfile.Dispenser) error {
 		switch opt {
 		case "max_body":
 			size, err := humanize.ParseBytes(arg)
-			if err != nil || size == 0 || size > MaxEstimateBody {
-				return d.Errf("invalid estimate max_body %q: must be a size from 1B to 1GiB", arg)
+			if err != nil || size > MaxEstimateBody || maxBodyRule(int64(size)) != nil {
+				return d.Errf("invalid estimate max_body %q: %v", arg, errMaxBody)
 			}
 			e.MaxBody = int64(size)
 		case "default_max_tokens":
 			n, err := parseCost(arg)
-			if err != nil || n == 0 {
-				return d.Errf("invalid estimate default_max_tokens %q: must be an integer from 1 to %d", arg, int64(MaxCost))
+			if err != nil || budgetRule(n) != nil {
+				return d.Errf("invalid estimate default_max_tokens %q: %v", arg, errBudget)
 			}
 			e.DefaultMaxTokens = n
 		case "on_invalid":
@@ -229,8 +229,8 @@ func (h *Handler) unmarshalCost(d *caddyfile.Dispenser) error {
 			e.Tokenizer = arg
 		case "read_timeout":
 			dur, err := caddy.ParseDuration(arg)
-			if err != nil || dur <= 0 {
-				return d.Errf("invalid estimate read_timeout %q: must be a duration > 0", arg)
+			if err != nil || durationRule(dur) != nil {
+				return d.Errf("invalid estimate read_timeout %q: %v", arg, errDuration)
 			}
 			e.ReadTimeout = caddy.Duration(dur)
 		default:
@@ -253,16 +253,16 @@ func (h *Handler) unmarshalDemote(d *caddyfile.Dispenser) error {
 		return d.Errf("invalid demote %q: demote [<dimension>] after <n> denials within <duration> to tier <name> for <duration>", args)
 	}
 	n, err := strconv.ParseInt(args[1], 10, 64)
-	if err != nil || n < 1 {
-		return d.Errf("invalid demote denials %q: must be a whole number ≥ 1", args[1])
+	if err != nil || positiveRule(n) != nil {
+		return d.Errf("invalid demote denials %q: %v", args[1], errPositive)
 	}
 	within, err := caddy.ParseDuration(args[4])
-	if err != nil || within <= 0 {
-		return d.Errf("invalid demote window %q: must be a duration > 0", args[4])
+	if err != nil || durationRule(within) != nil {
+		return d.Errf("invalid demote window %q: %v", args[4], errDuration)
 	}
 	span, err := caddy.ParseDuration(args[9])
-	if err != nil || span <= 0 {
-		return d.Errf("invalid demote duration %q: must be a duration > 0", args[9])
+	if err != nil || durationRule(span) != nil {
+		return d.Errf("invalid demote duration %q: %v", args[9], errDuration)
 	}
 	dm.Denials, dm.Within, dm.Tier, dm.For = n, caddy.Duration(within), args[7], caddy.Duration(span)
 	h.Demote = dm
@@ -349,8 +349,20 @@ func (h *Handler) unmarshalInt(d *caddyfile.Dispenser, name string) error {
 		return err
 	}
 	n, err := strconv.Atoi(v)
-	if err != nil || n <= 0 {
-		return d.Errf("invalid %s %q: must be a whole number > 0", name, v)
+	if err != nil {
+		return d.Errf("invalid %s %q: %v", name, v, errPositive)
+	}
+	var rule error
+	switch name {
+	case "ipv4_prefix":
+		rule = prefixRule(n, 32)
+	case "ipv6_prefix":
+		rule = prefixRule(n, 128)
+	default:
+		rule = positiveRule(int64(n))
+	}
+	if rule != nil {
+		return d.Errf("invalid %s %q: %v", name, v, rule)
 	}
 	switch name {
 	case "ipv4_prefix":
@@ -405,8 +417,8 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 				return err
 			}
 			n, err := strconv.Atoi(v)
-			if err != nil || n < 0 {
-				return d.Errf("invalid redis %s %q: must be a whole number ≥ 0 (0: the default)", opt, v)
+			if err != nil || nonNegativeRule(n) != nil {
+				return d.Errf("invalid redis %s %q: %v", opt, v, errNonNegative)
 			}
 			switch opt {
 			case "db":
@@ -427,8 +439,8 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 				return err
 			}
 			dur, err := caddy.ParseDuration(v)
-			if err != nil || dur <= 0 {
-				return d.Errf("invalid redis %s %q: must be a duration > 0", opt, v)
+			if err != nil || durationRule(dur) != nil {
+				return d.Errf("invalid redis %s %q: %v", opt, v, errDuration)
 			}
 			switch opt {
 			case "timeout":
@@ -468,8 +480,8 @@ func unmarshalLimit(d *caddyfile.Dispenser) (Limit, error) {
 		return l, argErr(d, "limit "+l.Dimension, args, "<capacity> <refill> [requests|tokens]")
 	}
 	capacity, err := strconv.ParseInt(args[0], 10, 64)
-	if err != nil || capacity <= 0 || capacity > MaxCost {
-		return l, d.Errf("invalid capacity %q for dimension %q: must be a whole number from 1 to %d", args[0], l.Dimension, int64(MaxCost))
+	if err != nil || capacityRule(capacity) != nil {
+		return l, d.Errf("invalid capacity %q for dimension %q: %v", args[0], l.Dimension, errCapacity)
 	}
 	rate, err := bucket.ParseRate(args[1])
 	if err != nil {
@@ -549,14 +561,14 @@ func (h *Handler) unmarshalAudit(d *caddyfile.Dispenser, name string) error {
 		}
 	case "audit_window":
 		dur, err := caddy.ParseDuration(v)
-		if err != nil || dur <= 0 {
-			return d.Errf("invalid audit_window %q: must be a duration > 0", v)
+		if err != nil || durationRule(dur) != nil {
+			return d.Errf("invalid audit_window %q: %v", v, errDuration)
 		}
 		h.AuditWindow = caddy.Duration(dur)
 	case "audit_buckets":
 		n, err := strconv.Atoi(v)
-		if err != nil || n <= 0 {
-			return d.Errf("invalid audit_buckets %q: must be a whole number > 0", v)
+		if err != nil || positiveRule(int64(n)) != nil {
+			return d.Errf("invalid audit_buckets %q: %v", v, errPositive)
 		}
 		h.AuditBuckets = n
 	}

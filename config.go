@@ -112,7 +112,10 @@ func (h *Handler) compile() error {
 	if h.DenyCache >= 0 && h.demote == nil { // every denial must reach Redis to be counted
 		h.denials = bucket.NewDenyCache(h.DenyCache, h.now)
 	}
-	if h.OnRedisError == "" || h.OnRedisError == PolicyLocal {
+	if h.OnRedisError == "" {
+		h.OnRedisError = PolicyLocal
+	}
+	if h.OnRedisError == PolicyLocal {
 		h.local = bucket.NewLocal(h.LocalBuckets, h.now)
 	}
 	return nil
@@ -130,11 +133,11 @@ func (h *Handler) validate() error {
 	if len(h.KeyPrefix) > 64 {
 		return fmt.Errorf("key_prefix %q: longer than 64 bytes", h.KeyPrefix)
 	}
-	if h.IPv4Prefix < 0 || h.IPv4Prefix > 32 {
-		return fmt.Errorf("ipv4_prefix %d: must be from 1 to 32", h.IPv4Prefix)
+	if err := prefixRule(h.IPv4Prefix, 32); h.IPv4Prefix != 0 && err != nil {
+		return fmt.Errorf("ipv4_prefix %d: %v", h.IPv4Prefix, err)
 	}
-	if h.IPv6Prefix < 0 || h.IPv6Prefix > 128 {
-		return fmt.Errorf("ipv6_prefix %d: must be from 1 to 128", h.IPv6Prefix)
+	if err := prefixRule(h.IPv6Prefix, 128); h.IPv6Prefix != 0 && err != nil {
+		return fmt.Errorf("ipv6_prefix %d: %v", h.IPv6Prefix, err)
 	}
 	if len(h.Dimensions) > maxDimensions {
 		return fmt.Errorf("dimensions: %d declared, at most %d", len(h.Dimensions), maxDimensions)
@@ -201,14 +204,14 @@ func (h *Handler) validate() error {
 	default:
 		return fmt.Errorf("error_format %q: must be json, openai or anthropic", h.ErrorFormat)
 	}
-	if math.IsNaN(h.LocalShare) || h.LocalShare < 0 || h.LocalShare > 1 {
-		return fmt.Errorf("local_share %v: must be a fraction > 0 and ≤ 1", h.LocalShare)
+	if err := shareRule(h.LocalShare); h.LocalShare != 0 && err != nil {
+		return fmt.Errorf("local_share %v: %v", h.LocalShare, err)
 	}
-	if h.DenyCache < -1 {
-		return fmt.Errorf("deny_cache %d: must be a number of buckets, or -1 for off", h.DenyCache)
+	if err := positiveRule(int64(h.DenyCache)); h.DenyCache != 0 && h.DenyCache != -1 && err != nil {
+		return fmt.Errorf("deny_cache %d: %v, or -1 for off", h.DenyCache, err)
 	}
-	if h.LocalBuckets < 0 {
-		return fmt.Errorf("local_buckets %d: must be > 0", h.LocalBuckets)
+	if err := positiveRule(int64(h.LocalBuckets)); h.LocalBuckets != 0 && err != nil {
+		return fmt.Errorf("local_buckets %d: %v", h.LocalBuckets, err)
 	}
 	return h.AuditOptions.validate()
 }
@@ -252,8 +255,8 @@ func (l Limit) spec() (bucket.Spec, error) {
 	default:
 		return bucket.Spec{}, fmt.Errorf("unit %q: must be requests or tokens", l.Unit)
 	}
-	if l.Capacity <= 0 || l.Capacity > MaxCost {
-		return bucket.Spec{}, fmt.Errorf("capacity %d: must be an integer from 1 to %d", l.Capacity, int64(MaxCost))
+	if err := capacityRule(l.Capacity); err != nil {
+		return bucket.Spec{}, fmt.Errorf("capacity %d: %v", l.Capacity, err)
 	}
 	if math.IsNaN(l.RefillRate) || math.IsInf(l.RefillRate, 0) || l.RefillRate <= 0 {
 		return bucket.Spec{}, fmt.Errorf("refill_rate %v: must be a finite number > 0", l.RefillRate)

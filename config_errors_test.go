@@ -25,7 +25,7 @@ var caddyfileErrorCases = []struct {
 	block string // the body of token_bucket { }
 	want  string
 }{
-	{"capacity zero", limitCase("user 0 1/s"), `invalid capacity "0" for dimension "user": must be a whole number from 1 to 9007199254740991`},
+	{"capacity zero", limitCase("user 0 1/s"), `invalid capacity "0" for dimension "user": must be an integer from 1 to 9007199254740991`},
 	{"capacity negative", limitCase("user -5 1/s"), `invalid capacity "-5" for dimension "user"`},
 	{"capacity fraction", limitCase("user 1.5 1/s"), `invalid capacity "1.5" for dimension "user"`},
 	{"capacity NaN", limitCase("user NaN 1/s"), `invalid capacity "NaN" for dimension "user"`},
@@ -62,9 +62,9 @@ var caddyfileErrorCases = []struct {
 	{"key_prefix without argument", "key_prefix\n" + limitCase("user 10 1/s"), `key_prefix []: wrong argument count, want one value`},
 	{"key_prefix with two arguments", "key_prefix a: b:\n" + limitCase("user 10 1/s"), `key_prefix ["a:" "b:"]: wrong argument count`},
 	{"key_prefix with a brace", `key_prefix "rl:{x}:"` + "\n" + limitCase("user 10 1/s"), `key_prefix "rl:{x}:": must not contain '{' or '}'`},
-	{"ipv4_prefix zero", "ipv4_prefix 0\n" + limitCase("user 10 1/s"), `invalid ipv4_prefix "0": must be a whole number > 0`},
-	{"ipv4_prefix too long", "ipv4_prefix 33\n" + limitCase("user 10 1/s"), `ipv4_prefix 33: must be from 1 to 32`},
-	{"ipv6_prefix too long", "ipv6_prefix 129\n" + limitCase("user 10 1/s"), `ipv6_prefix 129: must be from 1 to 128`},
+	{"ipv4_prefix zero", "ipv4_prefix 0\n" + limitCase("user 10 1/s"), `invalid ipv4_prefix "0": must be from 1 to 32`},
+	{"ipv4_prefix too long", "ipv4_prefix 33\n" + limitCase("user 10 1/s"), `invalid ipv4_prefix "33": must be from 1 to 32`},
+	{"ipv6_prefix too long", "ipv6_prefix 129\n" + limitCase("user 10 1/s"), `invalid ipv6_prefix "129": must be from 1 to 128`},
 	{"cost negative", "cost -3\n" + limitCase("user 10 1/s tokens"), `cost "-3": must be an integer from 0 to 9007199254740991`},
 	{"cost fraction", "cost 1.5\n" + limitCase("user 10 1/s tokens"), `cost "1.5": must be an integer from 0 to 9007199254740991`},
 	{"on_redis_error invalid", "on_redis_error retry\n" + limitCase("user 10 1/s"), `on_redis_error "retry": must be local, allow or deny`},
@@ -233,7 +233,7 @@ var jsonErrorCases = []struct {
 	{"cost invalid", jsonErrorField(`"cost": "1e3"`), `cost "1e3": must be an integer from 0 to 9007199254740991`},
 	{"on_redis_error invalid", jsonErrorField(`"on_redis_error": "retry"`), `on_redis_error "retry": must be local, allow or deny`},
 	{"on_deny invalid", jsonErrorField(`"on_deny": "drop"`), `on_deny "drop": must be respond or error`},
-	{"local_buckets negative", jsonErrorField(`"local_buckets": -1`), `local_buckets -1: must be > 0`},
+	{"local_buckets negative", jsonErrorField(`"local_buckets": -1`), `local_buckets -1: must be a whole number > 0`},
 	{"redis url and address", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"url": "redis://127.0.0.1:1", "address": ["127.0.0.1:2"]`, 1),
 		`redis: url "redis://127.0.0.1:1" and address ["127.0.0.1:2"]: set one, not both`},
 	{"redis two addresses", strings.Replace(validHandlerJSON, `["127.0.0.1:1"]`, `["127.0.0.1:1", "127.0.0.1:2"]`, 1),
@@ -243,15 +243,15 @@ var jsonErrorCases = []struct {
 	{"redis cluster db", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"address": ["127.0.0.1:1"], "cluster": true, "db": 2`, 1),
 		`redis.db 2: Redis Cluster has only db 0`},
 	{"local_share above one", jsonErrorField(`"local_share": 1.5`), `local_share 1.5: must be a fraction > 0 and ≤ 1`},
-	{"redis db negative", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"address": ["127.0.0.1:1"], "db": -1`, 1), `redis.db -1: must be ≥ 0`},
-	{"redis timeout negative", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"address": ["127.0.0.1:1"], "timeout": "-1s"`, 1), `redis.timeout -1s: must be > 0`},
+	{"redis db negative", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"address": ["127.0.0.1:1"], "db": -1`, 1), `redis.db -1: must be a whole number ≥ 0 (0: the default)`},
+	{"redis timeout negative", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"address": ["127.0.0.1:1"], "timeout": "-1s"`, 1), `redis.timeout -1s: must be a duration > 0`},
 	{"redis url scheme", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"url": "http://127.0.0.1:1"`, 1), `redis.url: `},
 }
 
 // jsonAuditErrorCases are JSON handlers with bad audit options.
 var jsonAuditErrorCases = []struct{ name, fields, want string }{
-	{"negative window", `"audit_window": -1000000000`, `audit_window -1s: must be > 0`},
-	{"negative buckets", `"audit_buckets": -1`, `audit_buckets -1: must be > 0`},
+	{"negative window", `"audit_window": -1000000000`, `audit_window -1s: must be a duration > 0`},
+	{"negative buckets", `"audit_buckets": -1`, `audit_buckets -1: must be a whole number > 0`},
 	{"audit not a bool", `"audit": "off"`, `audit`},
 }
 

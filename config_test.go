@@ -85,11 +85,11 @@ func TestJSONConfigMessages(t *testing.T) {
 		name, json, want string
 	}{
 		{"max_body_4GiB", `"estimate":{"max_body":4294967296}`,
-			"estimate.max_body 4294967296: must be a size in bytes from 1 to 1073741824 (1 GiB), or 0 for the default"},
+			"estimate.max_body 4294967296: must be a size from 1B to 1GiB (1073741824 bytes)"},
 		{"default_max_tokens", `"estimate":{"default_max_tokens":-1}`,
-			"estimate.default_max_tokens -1: must be from 1 to 9007199254740991, or 0 for the default"},
-		{"pool_size", `"redis":{"pool_size":-1}`, "redis.pool_size -1: must be ≥ 0 (0: go-redis's default, 10 per CPU)"},
-		{"breaker_failures", `"redis":{"breaker_failures":-2}`, "redis.breaker_failures -2: must be ≥ 0 (0: the default, 5)"},
+			"estimate.default_max_tokens -1: must be an integer from 1 to 9007199254740991"},
+		{"pool_size", `"redis":{"pool_size":-1}`, "redis.pool_size -1: must be a whole number ≥ 0 (0: the default); the default is go-redis's, 10 per CPU"},
+		{"breaker_failures", `"redis":{"breaker_failures":-2}`, "redis.breaker_failures -2: must be a whole number ≥ 0 (0: the default); the default is 5"},
 		{"error_format", `"error_format":"OpenAI"`, `error_format "OpenAI": must be json, openai or anthropic`},
 		{"include_usage", `"settle":{"include_usage":true}`, "settle.include_usage needs estimate"},
 	} {

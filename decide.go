@@ -175,11 +175,11 @@ func (h *Handler) decideDegraded(x *exchange, cause error) verdict {
 	// logged its opening, so only calls that reached Redis are logged.
 	if kind := countRedisError(cause); kind != errBreakerOpen {
 		if c := h.logger.Check(zap.WarnLevel, "redis call failed; on_redis_error applies"); c != nil {
-			c.Write(zap.String("on_redis_error", h.policy()), zap.String("kind", kind), zap.Error(cause))
+			c.Write(zap.String("on_redis_error", h.OnRedisError), zap.String("kind", kind), zap.Error(cause))
 		}
 	}
 	t, req := x.tier, x.req
-	switch h.policy() {
+	switch h.OnRedisError {
 	case PolicyAllow:
 		return verdict{outcome: outcomeAllowed, tier: t, local: true}
 	case PolicyDeny:
@@ -190,11 +190,4 @@ func (h *Handler) decideDegraded(x *exchange, cause error) verdict {
 		return verdict{outcome: outcomeUnavailable, tier: t, local: true, err: err}
 	}
 	return decidedVerdict(t, req, d, true)
-}
-
-func (h *Handler) policy() string {
-	if h.OnRedisError == "" {
-		return PolicyLocal
-	}
-	return h.OnRedisError
 }

@@ -46,12 +46,12 @@ func (d *Demote) validate(h *Handler) error {
 		return nil
 	}
 	switch {
-	case d.Denials < 1:
-		return fmt.Errorf("demote.denials %d: must be ≥ 1", d.Denials)
-	case d.Within <= 0:
-		return fmt.Errorf("demote.within %v: must be > 0", time.Duration(d.Within))
-	case d.For <= 0:
-		return fmt.Errorf("demote.for %v: must be > 0", time.Duration(d.For))
+	case positiveRule(d.Denials) != nil:
+		return fmt.Errorf("demote.denials %d: %v", d.Denials, errPositive)
+	case durationRule(time.Duration(d.Within)) != nil:
+		return fmt.Errorf("demote.within %v: %v", time.Duration(d.Within), errDuration)
+	case durationRule(time.Duration(d.For)) != nil:
+		return fmt.Errorf("demote.for %v: %v", time.Duration(d.For), errDuration)
 	case h.Redis != nil && h.Redis.Cluster:
 		return errors.New("demote: not supported with redis cluster")
 	}

@@ -254,19 +254,19 @@ func (e *Estimate) validate() error {
 	if e == nil {
 		return nil
 	}
-	if e.MaxBody < 0 || e.MaxBody > MaxEstimateBody {
-		return fmt.Errorf("estimate.max_body %d: must be a size in bytes from 1 to %d (1 GiB), or 0 for the default", e.MaxBody, MaxEstimateBody)
+	if err := maxBodyRule(e.MaxBody); e.MaxBody != 0 && err != nil {
+		return fmt.Errorf("estimate.max_body %d: %v", e.MaxBody, err)
 	}
-	if e.ReadTimeout < 0 {
-		return fmt.Errorf("estimate.read_timeout %v: must be > 0, or 0 for the default", time.Duration(e.ReadTimeout))
+	if err := durationRule(time.Duration(e.ReadTimeout)); e.ReadTimeout != 0 && err != nil {
+		return fmt.Errorf("estimate.read_timeout %v: %v", time.Duration(e.ReadTimeout), err)
 	}
 	switch e.Tokenizer {
 	case "", llm.Approx, llm.O200kBase, llm.Cl100kBase:
 	default:
 		return fmt.Errorf("estimate.tokenizer %q: must be %s, %s or %s", e.Tokenizer, llm.Approx, llm.O200kBase, llm.Cl100kBase)
 	}
-	if e.DefaultMaxTokens < 0 || e.DefaultMaxTokens > MaxCost {
-		return fmt.Errorf("estimate.default_max_tokens %d: must be from 1 to %d, or 0 for the default", e.DefaultMaxTokens, int64(MaxCost))
+	if err := budgetRule(e.DefaultMaxTokens); e.DefaultMaxTokens != 0 && err != nil {
+		return fmt.Errorf("estimate.default_max_tokens %d: %v", e.DefaultMaxTokens, err)
 	}
 	if e.OnInvalid != nil && (*e.OnInvalid < -1 || *e.OnInvalid > MaxCost) {
 		return fmt.Errorf("estimate.on_invalid %d: must be a cost from 0 to %d, or -1 to reject", *e.OnInvalid, int64(MaxCost))

@@ -119,16 +119,16 @@ func (c *RedisConfig) validate() error {
 		return fmt.Errorf("redis.address %q: one address for a single server (or set cluster or sentinel)", c.Address)
 	case c.Cluster && c.DB != 0:
 		return fmt.Errorf("redis.db %d: Redis Cluster has only db 0", c.DB)
-	case c.DB < 0:
-		return fmt.Errorf("redis.db %d: must be ≥ 0", c.DB)
-	case c.Timeout < 0:
-		return fmt.Errorf("redis.timeout %v: must be > 0", time.Duration(c.Timeout))
-	case c.PoolSize < 0:
-		return fmt.Errorf("redis.pool_size %d: must be ≥ 0 (0: go-redis's default, 10 per CPU)", c.PoolSize)
-	case c.BreakerFailures < 0:
-		return fmt.Errorf("redis.breaker_failures %d: must be ≥ 0 (0: the default, %d)", c.BreakerFailures, DefaultBreakerFailures)
-	case c.BreakerCooldown < 0:
-		return fmt.Errorf("redis.breaker_cooldown %v: must be > 0", time.Duration(c.BreakerCooldown))
+	case nonNegativeRule(c.DB) != nil:
+		return fmt.Errorf("redis.db %d: %v", c.DB, errNonNegative)
+	case c.Timeout != 0 && durationRule(time.Duration(c.Timeout)) != nil:
+		return fmt.Errorf("redis.timeout %v: %v", time.Duration(c.Timeout), errDuration)
+	case nonNegativeRule(c.PoolSize) != nil:
+		return fmt.Errorf("redis.pool_size %d: %v; the default is go-redis's, 10 per CPU", c.PoolSize, errNonNegative)
+	case nonNegativeRule(c.BreakerFailures) != nil:
+		return fmt.Errorf("redis.breaker_failures %d: %v; the default is %d", c.BreakerFailures, errNonNegative, DefaultBreakerFailures)
+	case c.BreakerCooldown != 0 && durationRule(time.Duration(c.BreakerCooldown)) != nil:
+		return fmt.Errorf("redis.breaker_cooldown %v: %v", time.Duration(c.BreakerCooldown), errDuration)
 	}
 	return nil
 }

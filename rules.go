@@ -1,0 +1,93 @@
+package tokenbucket
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"time"
+)
+
+// The range rules of the configuration, each written once: validate
+// checks the JSON form's values against them (naming the JSON field), and
+// the Caddyfile parser checks the values it read (naming the
+// subdirective and the token). Each returns nil, or what the value must
+// be. A JSON field whose zero value means "the default" is checked only
+// when set; in the Caddyfile the default is had by leaving the
+// subdirective out, so an explicit zero is checked like any value.
+
+var (
+	errPositive = errors.New("must be a whole number > 0")
+	errDuration = errors.New("must be a duration > 0")
+	errShare    = errors.New("must be a fraction > 0 and ≤ 1")
+	errMaxBody  = fmt.Errorf("must be a size from 1B to 1GiB (%d bytes)", int64(MaxEstimateBody))
+	errBudget   = fmt.Errorf("must be an integer from 1 to %d", int64(MaxCost))
+	errCapacity = fmt.Errorf("must be an integer from 1 to %d", int64(MaxCost))
+)
+
+// capacityRule: a bucket's capacity, 1 to MaxCost tokens.
+func capacityRule(n int64) error {
+	if n < 1 || n > MaxCost {
+		return errCapacity
+	}
+	return nil
+}
+
+// prefixRule: an address prefix of 1 to bits bits.
+func prefixRule(n, bits int) error {
+	if n < 1 || n > bits {
+		return fmt.Errorf("must be from 1 to %d", bits)
+	}
+	return nil
+}
+
+// positiveRule: a count of at least 1 (local_buckets, audit_buckets,
+// deny_cache).
+func positiveRule(n int64) error {
+	if n < 1 {
+		return errPositive
+	}
+	return nil
+}
+
+// durationRule: a duration > 0.
+func durationRule(d time.Duration) error {
+	if d <= 0 {
+		return errDuration
+	}
+	return nil
+}
+
+// shareRule: local_share, 0 < share ≤ 1.
+func shareRule(f float64) error {
+	if math.IsNaN(f) || f <= 0 || f > 1 {
+		return errShare
+	}
+	return nil
+}
+
+// maxBodyRule: estimate.max_body, 1 byte to 1 GiB.
+func maxBodyRule(n int64) error {
+	if n < 1 || n > MaxEstimateBody {
+		return errMaxBody
+	}
+	return nil
+}
+
+// budgetRule: estimate.default_max_tokens, 1 to MaxCost tokens.
+func budgetRule(n int64) error {
+	if n < 1 || n > MaxCost {
+		return errBudget
+	}
+	return nil
+}
+
+// nonNegativeRule: a count where 0 means the default (redis db,
+// pool_size, breaker_failures).
+func nonNegativeRule(n int) error {
+	if n < 0 {
+		return errNonNegative
+	}
+	return nil
+}
+
+var errNonNegative = errors.New("must be a whole number ≥ 0 (0: the default)")
