@@ -222,20 +222,3 @@ func (req *request) adjustments(used int64, partial bool) (keys []string, adj []
 	}
 	return keys, adj
 }
-
-// settler is a store that can settle.
-type settler interface {
-	Settle(ctx context.Context, id string, keys []string, adj []bucket.Adjust) (bool, error)
-}
-
-// settle settles a request's buckets in Redis, once per request id.
-func (c *conn) settle(ctx context.Context, id string, keys []string, adj []bucket.Adjust) error {
-	s, ok := c.store.(settler)
-	if !ok {
-		return nil
-	}
-	return c.call(ctx, c.timeout, func(ctx context.Context) error {
-		_, err := s.Settle(ctx, id, keys, adj)
-		return err
-	})
-}
