@@ -133,12 +133,16 @@ func hostileWantKeys(t *testing.T, what string, keys []string, value func(string
 
 // hostileLoad loads site into the gateway's Caddy with extra lines in the
 // global options block (e.g. a servers block).
-func hostileLoad(t *testing.T, port int, redisAddr, globalExtra, site string) {
+func hostileLoad(t *testing.T, g *e2eGateway, globalExtra, site string) {
 	t.Helper()
-	global := globalOptions(port)
+	// A fresh port, as e2eGateway.load takes: a connection made right after
+	// a reload on the same port can land in the old listener and be reset.
+	g.port = redistest.FreePort(t)
+	g.url = "http://127.0.0.1:" + strconv.Itoa(g.port) + "/"
+	global := globalOptions(g.port)
 	end := strings.LastIndex(global, "}")
 	cfg := global[:end] + globalExtra + "\n" + global[end:] +
-		fmt.Sprintf(":%d {\n%s\n}\n", port, strings.ReplaceAll(site, "REDIS_ADDR", redisAddr))
+		fmt.Sprintf(":%d {\n%s\n}\n", g.port, strings.ReplaceAll(site, "REDIS_ADDR", g.redis.Addr))
 	if err := postLoad(cfg, "caddyfile"); err != nil {
 		t.Fatalf("loading the config: %v\n%s", err, cfg)
 	}
@@ -182,7 +186,7 @@ func TestHostileHeaderSizes(t *testing.T) {
 		k.Key("user", "a,b", ""):    8,
 	})
 
-	hostileLoad(t, g.port, g.redis.Addr, "\tservers {\n\t\tmax_header_size 1MB\n\t}", hostileSite)
+	hostileLoad(t, g, "\tservers {\n\t\tmax_header_size 1MB\n\t}", hostileSite)
 	if err := g.rdb.FlushAll(context.Background()).Err(); err != nil {
 		t.Fatal(err)
 	}
@@ -323,7 +327,7 @@ func TestHostileForwardedFor(t *testing.T) {
 	}
 	hostileWantKeys(t, "untrusted peer", hostileKeys(t, g), g.value, map[string]int64{k.Key("ip", "127.0.0.1/32", ""): 0})
 
-	hostileLoad(t, g.port, g.redis.Addr, "\tservers {\n\t\ttrusted_proxies static 127.0.0.1/8\n\t}", hostileIPSite)
+	hostileLoad(t, g, "\tservers {\n\t\ttrusted_proxies static 127.0.0.1/8\n\t}", hostileIPSite)
 	if err := g.rdb.FlushAll(context.Background()).Err(); err != nil {
 		t.Fatal(err)
 	}
