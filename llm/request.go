@@ -112,11 +112,17 @@ func ParseRequest(body []byte, tok Tokenizer) (Request, error) {
 		tok = approxTokenizer{}
 	}
 	p := parserPool.Get().(*parser)
+	req, err := p.run(body, tok)
+	p.release()
+	return req, err
+}
+
+// run parses body with p.
+func (p *parser) run(body []byte, tok Tokenizer) (Request, error) {
 	p.body, p.tok, p.prompt = body, tok, 0
 	p.in = *bytes.NewBuffer(body) // the decoder reads body in place, no copy
 	p.dec.Reset(&p.in, decodeOptions...)
 	req, err := p.parse()
-	p.release()
 	if err != nil {
 		return Request{}, err
 	}
