@@ -2,6 +2,7 @@ package tokenbucket
 
 import (
 	"bufio"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/token-bucket/token_bucket/bucket"
 	"github.com/token-bucket/token_bucket/internal/providertest"
+	"github.com/token-bucket/token_bucket/internal/redistest"
 )
 
 // Hostile and broken LLM traffic, end to end through Caddy and a real
@@ -361,9 +363,12 @@ func TestReloadKeepsSettlement(t *testing.T) {
 		done <- result{r, err}
 	}()
 	// The stream has begun once the upstream has seen it.
-	for len(up.Requests()) == 0 {
-		time.Sleep(time.Millisecond) // polling a condition
-	}
+	redistest.WaitFor(t, time.Minute, "the stream to reach the upstream", func() error {
+		if len(up.Requests()) == 0 {
+			return errors.New("not yet")
+		}
+		return nil
+	})
 	// Another timeout is another Redis configuration: a new client, and
 	// the old one released by the old handler's cleanup.
 	if err := postLoad(g.caddyfile(strings.Replace(hostileLLMSite(up.Addr, 100_000, ""), "timeout 10s", "timeout 9s", 1)), "caddyfile"); err != nil {
