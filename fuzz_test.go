@@ -257,7 +257,7 @@ func FuzzSettle(f *testing.F) {
 			w.Header().Set("Content-Encoding", "gzip")
 			body = gzipped(t, string(body))
 		}
-		rec := &usageRecorder{ResponseWriter: w, filterUsage: shape&4 != 0}
+		rec := &usageRecorder{ResponseWriter: w, read: true, filterUsage: shape&4 != 0}
 		for len(body) > 0 {
 			n := min(len(body), int(shape>>3)+1)
 			rec.Write(body[:n])

@@ -17,6 +17,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/token-bucket/token_bucket/bucket"
+	"github.com/token-bucket/token_bucket/llm"
 )
 
 // The collectors live for the whole process and are registered into the
@@ -69,9 +70,10 @@ type collectors struct {
 	// llm.MaxEncodedBody), failed (the Redis call failed).
 	settlements *prometheus.CounterVec
 
-	localChildren [numOutcomes]prometheus.Counter
-	errorChildren map[string]prometheus.Counter
-	transitions   [3]prometheus.Counter // by gobreaker.State
+	localChildren  [numOutcomes]prometheus.Counter
+	settleChildren map[string]prometheus.Counter
+	errorChildren  map[string]prometheus.Counter
+	transitions    [3]prometheus.Counter // by gobreaker.State
 }
 
 // Label values of redis_errors_total's kind.
@@ -142,6 +144,10 @@ func newCollectors() *collectors {
 	for _, o := range []outcome{outcomeAllowed, outcomeDenied, outcomeUnavailable} {
 		m.localChildren[o] = m.local.WithLabelValues(outcomeNames[o])
 	}
+	m.settleChildren = make(map[string]prometheus.Counter)
+	for _, o := range []string{settledOutcome, settleFailedOutcome, llm.NotReported.String(), llm.Invalid.String(), llm.Unreadable.String()} {
+		m.settleChildren[o] = m.settlements.WithLabelValues(o)
+	}
 	for _, kind := range []string{errTimeout, errConnection, errBreakerOpen, errCanceled, errOther} {
 		m.errorChildren[kind] = m.redisErrors.WithLabelValues(kind)
 	}
@@ -206,7 +212,7 @@ const (
 // countSettlement counts a settlement by outcome: settled, failed, or the
 // llm.Status of a response whose usage could not be used.
 func countSettlement(outcome string) {
-	tbMetrics.settlements.WithLabelValues(outcome).Inc()
+	tbMetrics.settleChildren[outcome].Inc()
 }
 
 // breakerChanged counts a breaker's state change. It runs inside the

@@ -50,12 +50,13 @@ type Settle struct {
 	IncludeUsage bool `json:"include_usage,omitempty"`
 }
 
-// usageRecorder passes a response through to the client and feeds every
-// byte of it, as the upstream sent it, to a usage reader. With filter it
-// takes the usage chunks the gateway asked for out of what the client
-// receives.
+// usageRecorder passes a response through to the client and, with read,
+// feeds every byte of it, as the upstream sent it, to a usage reader. With
+// filterUsage it takes the usage chunks the gateway asked for out of what
+// the client receives.
 type usageRecorder struct {
 	http.ResponseWriter
+	read        bool // read the usage: the response is settled
 	filterUsage bool // the body was sent with include_usage added
 	wroteHeader bool
 	usage       *llm.UsageReader      // from the first WriteHeader
@@ -69,33 +70,18 @@ func (rec *usageRecorder) WriteHeader(code int) {
 		rec.wroteHeader = true
 		hdr := rec.Header()
 		ct, ce := hdr.Get("Content-Type"), strings.Join(hdr.Values("Content-Encoding"), ",")
-		rec.usage = llm.NewUsageReader(ct, ce)
+		if rec.read {
+			rec.usage = llm.NewUsageReader(ct, ce)
+		}
 		// An encoded stream cannot be cut without re-encoding it: the
 		// upstream ignored the missing Accept-Encoding, and the client
 		// sees the usage chunk.
-		if rec.filterUsage && identityCoded(ce) && isEventStream(ct) {
+		if rec.filterUsage && llm.IsIdentity(ce) && llm.IsEventStream(ct) {
 			rec.filter = llm.NewUsageChunkFilter(rec.ResponseWriter)
 			hdr.Del("Content-Length") // the filter shortens the body
 		}
 	}
 	rec.ResponseWriter.WriteHeader(code)
-}
-
-// identityCoded reports whether a Content-Encoding list applies no coding.
-func identityCoded(list string) bool {
-	for _, c := range strings.Split(list, ",") {
-		if c = strings.TrimSpace(c); c != "" && !strings.EqualFold(c, "identity") {
-			return false
-		}
-	}
-	return true
-}
-
-// isEventStream reports whether a Content-Type is text/event-stream, any
-// case, any parameters.
-func isEventStream(ct string) bool {
-	mt, _, _ := strings.Cut(ct, ";")
-	return strings.EqualFold(strings.TrimSpace(mt), "text/event-stream")
 }
 
 // Write reads p for usage before the client gets it, so that usage that
@@ -104,7 +90,9 @@ func (rec *usageRecorder) Write(p []byte) (int, error) {
 	if !rec.wroteHeader {
 		rec.WriteHeader(http.StatusOK)
 	}
-	rec.usage.Write(p)
+	if rec.usage != nil {
+		rec.usage.Write(p)
+	}
 	if rec.filter != nil {
 		if _, err := rec.filter.Write(p); err != nil {
 			return 0, err
@@ -158,12 +146,13 @@ func (rec *usageRecorder) finish(s *Settle) (used int64, status llm.Status, part
 func (h *Handler) serveNext(x *exchange, v *verdict, next caddyhttp.Handler) error {
 	switch {
 	case h.Settle != nil && v.decided && !v.local && v.req.hasTokens():
-		rec := &usageRecorder{ResponseWriter: x.w, filterUsage: x.est.streamUsage}
+		// With settle.header the body is not read for usage.
+		rec := &usageRecorder{ResponseWriter: x.w, read: h.Settle.Header == "", filterUsage: x.est.streamUsage}
 		defer h.settle(x.r, x.repl, v.req, rec)
 		return next.ServeHTTP(rec, x.r)
 	case x.est.streamUsage:
 		rec := &usageRecorder{ResponseWriter: x.w, filterUsage: true}
-		defer rec.finish(&Settle{})
+		defer rec.finish(&Settle{}) // writes what the filter holds
 		return next.ServeHTTP(rec, x.r)
 	}
 	return next.ServeHTTP(x.w, x.r)

@@ -40,7 +40,7 @@ func record(t *testing.T, s *Settle, filter bool, header http.Header, body []byt
 	for k, v := range header {
 		w.Header()[k] = v
 	}
-	rec := &usageRecorder{ResponseWriter: w, filterUsage: filter}
+	rec := &usageRecorder{ResponseWriter: w, read: true, filterUsage: filter}
 	rec.WriteHeader(http.StatusOK)
 	for len(body) > 0 {
 		k := min(n, len(body))
@@ -216,7 +216,7 @@ func TestUsageRecorderPartialAnthropic(t *testing.T) {
 		"\"usage\":{\"input_tokens\":25,\"cache_creation_input_tokens\":3,\"cache_read_input_tokens\":2,\"output_tokens\":1}}}\n\n"
 	w := httptest.NewRecorder()
 	w.Header().Set("Content-Type", "text/event-stream")
-	rec := &usageRecorder{ResponseWriter: w}
+	rec := &usageRecorder{ResponseWriter: w, read: true}
 	if _, err := rec.Write([]byte(stream)); err != nil {
 		t.Fatal(err)
 	}

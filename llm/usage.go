@@ -200,7 +200,7 @@ func (r *UsageReader) Reset(contentType, contentEncoding string) {
 	r.enc = r.enc[:0]
 	r.encOver = false
 	r.decoded = false
-	r.body.reset(isEventStream(contentType))
+	r.body.reset(IsEventStream(contentType))
 }
 
 // Release returns r to the pool NewUsageReader takes readers from. r must
@@ -271,8 +271,18 @@ func (r *UsageReader) Result() (Usage, Status) {
 	return u, s
 }
 
-// isEventStream reports whether a Content-Type is text/event-stream.
-func isEventStream(contentType string) bool {
+// IsIdentity reports whether a Content-Encoding list applies no content
+// coding: empty, or identity only. A UsageChunkFilter reads only such a
+// stream.
+func IsIdentity(contentEncoding string) bool {
+	var c [maxCodings]coding
+	n, unknown := parseCodings(contentEncoding, &c)
+	return n == 0 && !unknown
+}
+
+// IsEventStream reports whether a Content-Type is text/event-stream (any
+// case, any parameters): the body a UsageReader reads as events.
+func IsEventStream(contentType string) bool {
 	mt, _, _ := strings.Cut(contentType, ";")
 	return strings.EqualFold(strings.TrimSpace(mt), "text/event-stream")
 }

@@ -513,3 +513,15 @@ func TestUsageReaderAllocs(t *testing.T) {
 		t.Errorf("%v allocations per body, want 0", allocs)
 	}
 }
+
+// TestIsIdentity: the Content-Encoding lists a UsageChunkFilter may read.
+func TestIsIdentity(t *testing.T) {
+	for list, want := range map[string]bool{
+		"": true, "identity": true, " Identity , identity": true,
+		"gzip": false, "identity, gzip": false, "br": false, "compress": false, "gzip, gzip": false,
+	} {
+		if got := IsIdentity(list); got != want {
+			t.Errorf("IsIdentity(%q) = %v, want %v", list, got, want)
+		}
+	}
+}
