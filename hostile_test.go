@@ -632,7 +632,44 @@ func TestThousandConnectionsSpendExactlyCapacity(t *testing.T) {
 		on_redis_error deny
 	}
 	respond "ok"`)
+	// 1,000 clients, each on a connection of its own.
 	const n = 1000
+	counts := concurrentStatuses(t, n, func() (int, error) {
+		tr := &http.Transport{DisableKeepAlives: true}
+		defer tr.CloseIdleConnections()
+		client := &http.Client{Transport: tr, Timeout: 2 * time.Minute}
+		req, _ := http.NewRequest(http.MethodGet, g.url, nil)
+		req.Header.Set("X-User", "swarm")
+		res, err := client.Do(req)
+		if err != nil {
+			return 0, err
+		}
+		defer res.Body.Close()
+		_, err = io.Copy(io.Discard, res.Body)
+		return res.StatusCode, err
+	})
+	t.Logf("1,000 connections: %d × 200, %d × 429", counts[200], counts[429])
+	if counts[200] != 100 || counts[429] != 900 || len(counts) != 2 {
+		t.Errorf("statuses %v, want exactly 100 × 200 and 900 × 429", counts)
+	}
+	key := bucket.NewKeyer("rl:", "").Key("user", "swarm", "")
+	hostileWantKeys(t, "swarm", hostileKeys(t, g), g.value, map[string]int64{key: 0})
+
+	// 200 requests of one client over the gateway's shared connections.
+	g.load(userLimit("user 50 1/1d", "on_redis_error deny") + "\nrespond \"ok\"")
+	counts = concurrentStatuses(t, 200, func() (int, error) {
+		r, err := g.tryGet("X-User", "agent-007")
+		return r.status, err
+	})
+	if counts[200] != 50 || counts[429] != 150 || len(counts) != 2 {
+		t.Errorf("statuses %v, want exactly 50 × 200 and 150 × 429", counts)
+	}
+}
+
+// concurrentStatuses runs do n times at once, released together, and
+// counts the statuses; any error fails the test.
+func concurrentStatuses(t *testing.T, n int, do func() (int, error)) map[int]int {
+	t.Helper()
 	var (
 		wg     sync.WaitGroup
 		mu     sync.Mutex
@@ -644,24 +681,15 @@ func TestThousandConnectionsSpendExactlyCapacity(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			tr := &http.Transport{DisableKeepAlives: true}
-			defer tr.CloseIdleConnections()
-			client := &http.Client{Transport: tr, Timeout: 2 * time.Minute}
-			req, _ := http.NewRequest(http.MethodGet, g.url, nil)
-			req.Header.Set("X-User", "swarm")
 			<-start
-			res, err := client.Do(req)
-			if err == nil {
-				_, err = io.Copy(io.Discard, res.Body)
-				res.Body.Close()
-			}
+			status, err := do()
 			mu.Lock()
 			defer mu.Unlock()
 			if err != nil {
 				errs = append(errs, err)
 				return
 			}
-			counts[res.StatusCode]++
+			counts[status]++
 		}()
 	}
 	close(start)
@@ -669,38 +697,5 @@ func TestThousandConnectionsSpendExactlyCapacity(t *testing.T) {
 	if len(errs) > 0 {
 		t.Fatalf("%d of %d requests failed, first: %v", len(errs), n, errs[0])
 	}
-	t.Logf("1,000 connections: %d × 200, %d × 429", counts[200], counts[429])
-	if counts[200] != 100 || counts[429] != 900 || len(counts) != 2 {
-		t.Errorf("statuses %v, want exactly 100 × 200 and 900 × 429", counts)
-	}
-	key := bucket.NewKeyer("rl:", "").Key("user", "swarm", "")
-	hostileWantKeys(t, "swarm", hostileKeys(t, g), g.value, map[string]int64{key: 0})
-
-	g.load(userLimit("user 50 1/1d", "on_redis_error deny") + "\nrespond \"ok\"")
-	const shared = 200
-	counts, errs = map[int]int{}, nil
-	ready := make(chan struct{})
-	for i := 0; i < shared; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			<-ready
-			r, err := g.tryGet("X-User", "agent-007")
-			mu.Lock()
-			defer mu.Unlock()
-			if err != nil {
-				errs = append(errs, err)
-				return
-			}
-			counts[r.status]++
-		}()
-	}
-	close(ready)
-	wg.Wait()
-	if len(errs) > 0 {
-		t.Fatalf("%d requests failed, first: %v", len(errs), errs[0])
-	}
-	if counts[200] != 50 || counts[429] != 150 || len(counts) != 2 {
-		t.Errorf("statuses %v, want exactly 50 × 200 and 150 × 429", counts)
-	}
+	return counts
 }
