@@ -107,7 +107,28 @@ func (s Spec) Full() State { return State{Units: s.CapacityUnits(), Scale: s.Sca
 type Take struct {
 	Spec Spec
 	Cost int64
+	// Shadow marks a limit in shadow mode: it is decided, and charged when
+	// it allows an allowed request, exactly as if enforced, but its denial
+	// does not deny the request (Decision.ShadowDenied reports it).
+	Shadow bool
+	// Lease > 0 makes the take a concurrency limit (see ConcurrencySpec):
+	// Spec.Capacity slots, of which a cost of 1 takes one for Lease
+	// milliseconds, under LeaseID, until released (Redis.Release) or the
+	// lease lapses. It never refills.
+	Lease int64
+	// LeaseID names the request's lease, the same in every concurrency
+	// take of one request.
+	LeaseID string
 }
+
+// ConcurrencySpec is the Spec of a concurrency limit of n slots: scale 1,
+// no refill.
+func ConcurrencySpec(n int64) Spec { return Spec{Capacity: n, Scale: 1} }
+
+// ConcurrencyRetryMS is the wait a full concurrency limit reports: a slot
+// frees when some request in flight ends, which no clock predicts, so the
+// client is told to retry after a second (Retry-After: 1).
+const ConcurrencyRetryMS = 1000
 
 // costUnits returns the cost in units; a cost above the capacity is clamped
 // to capacity + 1 token, which keeps it above the capacity without
@@ -126,8 +147,11 @@ type Result struct {
 	// RateLimited; 0 otherwise.
 	RetryAfterMS int64
 	// FullMS is the time until this bucket is full again, in milliseconds
-	// rounded up; when the bucket was charged it is the key's TTL.
+	// rounded up; when the bucket was charged it is the key's TTL. 0 for a
+	// concurrency limit, which fills when its requests end.
 	FullMS int64
+	// Shadow is the take's Shadow: this result does not decide the request.
+	Shadow bool
 }
 
 // Decision is the outcome for a whole request.
@@ -143,6 +167,9 @@ type Decision struct {
 	// -1 when allowed.
 	Deciding int
 	Buckets  []Result
+	// ShadowDenied is set when a shadow bucket would have denied the
+	// request (its Result has a Reason other than Allowed).
+	ShadowDenied bool
 }
 
 // RetryAfterSeconds returns the Retry-After header value: the wait rounded
@@ -161,12 +188,20 @@ func (d *Decision) RetryAfterSeconds() int64 {
 func Decide(now int64, takes []Take, states []State, charged []bool) Decision {
 	d := Decision{Allowed: true, Deciding: -1, Buckets: make([]Result, len(takes))}
 	for i, t := range takes {
-		units := refill(now, t.Spec, states[i])
+		var units int64
+		if t.Lease > 0 {
+			units = min(states[i].Units, t.Spec.Capacity) // free slots: no refill
+		} else {
+			units = refill(now, t.Spec, states[i])
+		}
 		states[i].Units, states[i].Scale = units, t.Spec.Scale
 		r := &d.Buckets[i]
+		r.Shadow = t.Shadow
 		switch cost := t.costUnits(); {
 		case t.Cost > t.Spec.Capacity:
 			r.Reason = CostExceedsCapacity
+		case cost > units && t.Lease > 0:
+			r.Reason, r.RetryAfterMS = RateLimited, ConcurrencyRetryMS
 		case cost > units:
 			r.Reason = RateLimited
 			r.RetryAfterMS = ceilDiv(cost-units, t.Spec.Refill*1000)
@@ -175,15 +210,18 @@ func Decide(now int64, takes []Take, states []State, charged []bool) Decision {
 	d.summarize()
 	for i, t := range takes {
 		units := states[i].Units
-		if d.Allowed && t.Cost > 0 {
+		r := &d.Buckets[i]
+		// A shadow bucket is charged when it allows, as if enforced.
+		if d.Allowed && t.Cost > 0 && r.Reason == Allowed {
 			units -= t.costUnits()
 			states[i].Units = units
 			states[i].Last = max(now, states[i].Last)
 			charged[i] = true
 		}
-		r := &d.Buckets[i]
 		r.Remaining = floorDiv(units, t.Spec.Scale)
-		r.FullMS = ceilDiv(t.Spec.CapacityUnits()-units, t.Spec.Refill*1000) + ceilDiv(states[i].Last-now, 1000)
+		if t.Lease == 0 {
+			r.FullMS = ceilDiv(t.Spec.CapacityUnits()-units, t.Spec.Refill*1000) + ceilDiv(states[i].Last-now, 1000)
+		}
 	}
 	return d
 }
@@ -195,12 +233,17 @@ func Summarize(results []Result) Decision {
 	return d
 }
 
-// summarize sets the request's Reason, RetryAfterMS, Deciding and Allowed
-// from its buckets' results: any CostExceedsCapacity wins (no wait helps),
-// else the RateLimited bucket with the longest wait.
+// summarize sets the request's Reason, RetryAfterMS, Deciding, Allowed and
+// ShadowDenied from its buckets' results: any CostExceedsCapacity wins (no
+// wait helps), else the RateLimited bucket with the longest wait; shadow
+// buckets only set ShadowDenied.
 func (d *Decision) summarize() {
-	d.Reason, d.RetryAfterMS, d.Deciding = Allowed, 0, -1
+	d.Reason, d.RetryAfterMS, d.Deciding, d.ShadowDenied = Allowed, 0, -1, false
 	for i, r := range d.Buckets {
+		if r.Shadow {
+			d.ShadowDenied = d.ShadowDenied || r.Reason != Allowed
+			continue
+		}
 		if r.Reason > d.Reason || (r.Reason == RateLimited && d.Reason == RateLimited && r.RetryAfterMS > d.RetryAfterMS) {
 			d.Reason, d.RetryAfterMS, d.Deciding = r.Reason, r.RetryAfterMS, i
 		}

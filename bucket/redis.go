@@ -44,22 +44,41 @@ func (s Redis) Take(ctx context.Context, keys []string, takes []Take) (Decision,
 }
 
 // appendArgs appends the script's ARGV for takes: per bucket, capacity,
-// refill, scale and cost in units, as four little-endian doubles (see
-// lua/token_bucket.lua). The values share one allocation, and as pointers
-// they go into the []any without one each.
+// refill, scale, cost in units and flags, as five little-endian doubles
+// (see lua/token_bucket.lua); a concurrency take sends its lease in
+// milliseconds as the refill. When a take is a concurrency limit, the
+// request's lease id follows the buckets. The values share one allocation,
+// and as pointers they go into the []any without one each.
 func appendArgs(args []any, takes []Take) []any {
 	vals := make([]argv, len(takes))
+	lease := ""
 	for i, t := range takes {
-		appendFloats(vals[i][:0], t.Spec.CapacityUnits(), t.Spec.Refill, t.Spec.Scale, t.costUnits()) // fills vals[i] in place
+		refill, flags := t.Spec.Refill, int64(0)
+		if t.Shadow {
+			flags |= flagShadow
+		}
+		if t.Lease > 0 {
+			refill, flags, lease = t.Lease, flags|flagConcurrent, t.LeaseID
+		}
+		appendFloats(vals[i][:0], t.Spec.CapacityUnits(), refill, t.Spec.Scale, t.costUnits(), flags) // fills vals[i] in place
 		args = append(args, &vals[i])
+	}
+	if lease != "" {
+		args = append(args, lease)
 	}
 	return args
 }
 
-// argv is one bucket's ARGV: capacity, refill, scale and cost in units as
-// four little-endian doubles. go-redis sends it as a bulk string of its
-// bytes, as it would the same bytes in a string.
-type argv [32]byte
+// Flags of a bucket's ARGV (lua/token_bucket.lua).
+const (
+	flagShadow     = 1 // the bucket's denial does not deny the request
+	flagConcurrent = 2 // a concurrency limit: a sorted set of leases
+)
+
+// argv is one bucket's ARGV: capacity, refill, scale, cost in units and
+// flags as five little-endian doubles. go-redis sends it as a bulk string
+// of its bytes, as it would the same bytes in a string.
+type argv [40]byte
 
 // MarshalBinary implements encoding.BinaryMarshaler for go-redis.
 func (a *argv) MarshalBinary() ([]byte, error) { return a[:], nil }
@@ -104,7 +123,7 @@ func ParseReply(vals []int64, takes []Take) (Decision, error) {
 				strconv.FormatInt(wait, 10) + " " + strconv.FormatInt(full, 10))
 		}
 		r := &d.Buckets[i]
-		r.Remaining, r.FullMS = remaining, full
+		r.Remaining, r.FullMS, r.Shadow = remaining, full, takes[i].Shadow
 		switch {
 		case wait == -1:
 			r.Reason = CostExceedsCapacity

@@ -153,15 +153,15 @@ func TestShardedOnCluster(t *testing.T) {
 		if slotA == slotB || c.NodeOf(t, kA) == c.NodeOf(t, kB) {
 			t.Fatalf("%s (slot %d) and %s (slot %d) are on one node", kA, slotA, kB, slotB)
 		}
-		if d := c.take(t, []string{kA}, []Take{{a, 3}}); !d.Allowed || d.Buckets[0].Remaining != 7 {
+		if d := c.take(t, []string{kA}, []Take{{Spec: a, Cost: 3}}); !d.Allowed || d.Buckets[0].Remaining != 7 {
 			t.Fatalf("charging 3 of 10: %+v", d)
 		}
-		if d := c.take(t, []string{kB}, []Take{{b, 2}}); !d.Allowed || d.Buckets[0].Remaining != 0 {
+		if d := c.take(t, []string{kB}, []Take{{Spec: b, Cost: 2}}); !d.Allowed || d.Buckets[0].Remaining != 0 {
 			t.Fatalf("charging 2 of 2: %+v", d)
 		}
 		before, rawB := c.state(t, kA), c.raw(t, kB)
 
-		d := c.take(t, []string{kA, kB}, []Take{{a, 1}, {b, 1}})
+		d := c.take(t, []string{kA, kB}, []Take{{Spec: a, Cost: 1}, {Spec: b, Cost: 1}})
 		if d.Allowed || d.Reason != RateLimited || d.Deciding != 1 || d.Buckets[0].Remaining != 7 ||
 			d.Buckets[1].Remaining != 0 || d.Buckets[1].Reason != RateLimited {
 			t.Errorf("request denied by %s: %+v; want denied by bucket 1, bucket 0 reporting 7 left", kB, d)
@@ -184,8 +184,8 @@ func TestShardedOnCluster(t *testing.T) {
 	t.Run("refund_of_a_full_bucket_deletes_it", func(t *testing.T) {
 		kA := c.keyer.Key("user", "full", "")
 		kB := c.keyOn(t, "ip", "full", c.NodeOf(t, kA))
-		c.take(t, []string{kB}, []Take{{b, 2}})
-		d := c.take(t, []string{kA, kB}, []Take{{a, 1}, {b, 1}})
+		c.take(t, []string{kB}, []Take{{Spec: b, Cost: 2}})
+		d := c.take(t, []string{kA, kB}, []Take{{Spec: a, Cost: 1}, {Spec: b, Cost: 1}})
 		if d.Allowed || d.Buckets[0].Remaining != 10 {
 			t.Errorf("request denied by %s: %+v; want denied, bucket 0 reporting 10 left", kB, d)
 		}
@@ -199,7 +199,7 @@ func TestShardedOnCluster(t *testing.T) {
 	t.Run("cost_exceeds_capacity_on_the_other_node", func(t *testing.T) {
 		kA := c.keyer.Key("user", "big", "")
 		kB := c.keyOn(t, "ip", "big", c.NodeOf(t, kA))
-		d := c.take(t, []string{kA, kB}, []Take{{a, 3}, {b, 3}})
+		d := c.take(t, []string{kA, kB}, []Take{{Spec: a, Cost: 3}, {Spec: b, Cost: 3}})
 		if d.Allowed || d.Reason != CostExceedsCapacity || d.Deciding != 1 || d.RetryAfterMS != 0 || d.Buckets[0].Remaining != 10 {
 			t.Errorf("cost 3 on a bucket of 2: %+v", d)
 		}
@@ -225,7 +225,7 @@ func TestShardedOnCluster(t *testing.T) {
 			}
 		}
 		for i := int64(1); i <= 3; i++ {
-			if d := c.take(t, []string{kM}, []Take{{a, 1}}); !d.Allowed || d.Buckets[0].Remaining != 10-i {
+			if d := c.take(t, []string{kM}, []Take{{Spec: a, Cost: 1}}); !d.Allowed || d.Buckets[0].Remaining != 10-i {
 				t.Fatalf("request %d before the migration: %+v", i, d)
 			}
 		}
@@ -245,14 +245,14 @@ func TestShardedOnCluster(t *testing.T) {
 		}
 
 		moved, noscript := c.errs.count("MOVED"), c.errs.count("NOSCRIPT")
-		if d := c.take(t, []string{kM}, []Take{{a, 1}}); !d.Allowed || d.Buckets[0].Remaining != 6 {
+		if d := c.take(t, []string{kM}, []Take{{Spec: a, Cost: 1}}); !d.Allowed || d.Buckets[0].Remaining != 6 {
 			t.Errorf("first request after the migration: %+v; want allowed with 6 left", d)
 		}
 		if c.errs.count("MOVED") == moved || c.errs.count("NOSCRIPT") == noscript {
 			t.Errorf("the request after the migration met %d MOVED and %d NOSCRIPT, want at least one of each",
 				c.errs.count("MOVED")-moved, c.errs.count("NOSCRIPT")-noscript)
 		}
-		if d := c.take(t, []string{kM, kO}, []Take{{a, 1}, {a, 1}}); !d.Allowed || d.Buckets[0].Remaining != 5 || d.Buckets[1].Remaining != 9 {
+		if d := c.take(t, []string{kM, kO}, []Take{{Spec: a, Cost: 1}, {Spec: a, Cost: 1}}); !d.Allowed || d.Buckets[0].Remaining != 5 || d.Buckets[1].Remaining != 9 {
 			t.Errorf("pipelined request after the migration: %+v; want allowed with 5 and 9 left", d)
 		}
 		if got := c.state(t, kM); got.Units/got.Scale != 5 {

@@ -16,6 +16,8 @@ KEYS[2 + n + i], i = 1..m      the same request's buckets on the penalty tier
 ARGV[1]  struct.pack('<dddd', n, threshold, window_ms, demote_ms)
 ARGV[1 + i]                    bucket parameters, as in token_bucket.lua,
                                in KEYS order from KEYS[3]
+ARGV[#KEYS]                    the request's lease id, when a bucket is a
+                               concurrency limit
 Reply    {demoted, demoted_ms, <token_bucket.lua's reply>}: demoted is 0
          (the own tier decided), 1 (demoted before: the penalty tier
          decided), 2 (this denial demoted the identity); demoted_ms is what
@@ -23,6 +25,8 @@ Reply    {demoted, demoted_ms, <token_bucket.lua's reply>}: demoted is 0
 ]]
 
 local nn, threshold, window, span = unpack('<dddd', ARGV[1])
+local lease = nil
+if #ARGV == #KEYS then lease = ARGV[#KEYS] end
 local left = call('PTTL', KEYS[1])
 local demoted = left > 0
 -- The buckets to decide: the penalty tier's while demoted, else the own.
@@ -36,9 +40,13 @@ if demoted then
   state = 1
 else
   left = 0
+  -- Only an enforced bucket's denial counts; a shadow one's does not.
   local limited = false
   for i = 1, n do
-    if reply[3 * i - 1] > 0 then limited = true end
+    if reply[3 * i - 1] > 0 then
+      local flags = select(5, unpack('<ddddd', ARGV[ao + i]))
+      if flags % 2 == 0 then limited = true end
+    end
   end
   if limited then
     local count = call('INCR', KEYS[2])

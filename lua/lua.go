@@ -125,6 +125,15 @@ var SettleSource = prelude + use(settleEntry)
 // estimated and actual LLM tokens, once per request.
 var Settle = redis.NewScript(SettleSource)
 
+//go:embed lease.lua
+var leaseEntry string
+
+// LeaseSource is token_bucket.lua's prelude with lease.lua's entry.
+var LeaseSource = prelude + leaseEntry
+
+// Lease renews or releases a request's leases on its concurrency limits.
+var Lease = redis.NewScript(LeaseSource)
+
 // ClockLine is the one line of Source that reads the Redis clock. Tests that
 // drive time replace it; nothing else may.
 const ClockLine = "local clock = redis.call('TIME')"

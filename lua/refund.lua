@@ -10,7 +10,8 @@ C is the same either way. So the net charge of a denied request is zero.
 
 KEYS[i]  the key of bucket i, as in token_bucket.lua.
 ARGV[i]  bucket i's parameters as in token_bucket.lua, the cost being the
-         units to give back.
+         units to give back; a concurrency limit gives back its slot by
+         removing the lease ARGV[#KEYS + 1].
 Reply    the number of buckets refunded. A key that is gone is a full
          bucket and needs nothing; a bucket refilled to full is deleted.
 
@@ -23,9 +24,10 @@ state fails the call with nothing refunded.
 local held = {}
 for i = 1, #KEYS do
   local key = KEYS[i]
-  local cap, refill, scale, cost = unpack('<dddd', ARGV[i])
+  local cap, refill, scale, cost, flags = unpack('<ddddd', ARGV[i])
   held[2 * i - 1] = false
-  if cost > 0 and call('EXISTS', key) == 1 then
+  if cost > 0 and flags < 2 and call('EXISTS', key) == 1 then
+    local u, last = cap, now
     --[[use load]]
     held[2 * i - 1] = u
     held[2 * i] = last
@@ -35,9 +37,11 @@ end
 local refunded = 0
 for i = 1, #KEYS do
   local key = KEYS[i]
-  local cap, refill, scale, cost = unpack('<dddd', ARGV[i])
+  local cap, refill, scale, cost, flags = unpack('<ddddd', ARGV[i])
   local u, last = held[2 * i - 1], held[2 * i]
-  if u then
+  if flags >= 2 and cost > 0 then
+    refunded = refunded + call('ZREM', key, ARGV[#KEYS + 1])
+  elseif u then
     if now > last then last = now end
     u = u + cost
     if u > cap then u = cap end

@@ -31,6 +31,7 @@ local held = {}
 for i = 2, #KEYS do
   local key = KEYS[i]
   local cap, refill, scale, delta = unpack('<dddd', ARGV[i])
+  local u, last = cap, now
   --[[use load]]
   held[2 * i - 3] = u
   held[2 * i - 2] = last

@@ -14,13 +14,28 @@ KEYS[i]  the key of bucket i. Its value is 24 bytes, struct.pack('<ddd',
          units, scale, last_us): units held at time last_us (microseconds,
          Redis clock), counted in units of 1/scale token. A missing key is
          a full bucket.
-ARGV[i]  bucket i's parameters, 32 bytes, struct.pack('<dddd', capacity,
-         refill, scale, cost): the capacity in units (tokens * scale), the
-         units added per microsecond, the units per token, and the cost in
-         units (tokens * scale; 0 is a peek). Binary, so that the script
-         spends no time converting text to numbers.
+ARGV[i]  bucket i's parameters, 40 bytes, struct.pack('<ddddd', capacity,
+         refill, scale, cost, flags): the capacity in units (tokens *
+         scale), the units added per microsecond, the units per token, the
+         cost in units (tokens * scale; 0 is a peek), and flags: 1 shadow
+         (the bucket is decided and, when it allows an allowed request,
+         charged, but its denial does not deny the request), 2 concurrency
+         limit (below). Binary, so that the script spends no time
+         converting text to numbers.
+ARGV[#KEYS + 1]  the request's lease id, when a bucket is a concurrency
+         limit.
+
+A concurrency limit's key is a sorted set of leases, each scored by its
+expiry in milliseconds on the Redis clock: capacity is its number of
+slots (scale 1), refill its lease in milliseconds, cost 1 to take a slot
+(0 to peek). Its free slots are capacity minus the leases that have not
+expired; taking one adds the lease id with expiry now + lease, and the
+key lives as long as its longest lease. It never refills: a slot comes
+back when lease.lua releases the lease or the lease lapses. A full one
+waits 1000 ms (Retry-After: 1), and reports full_ms 0.
 Reply    3 integers per bucket, in KEYS order:
-           remaining  whole tokens left (after the charge when allowed)
+           remaining  whole tokens (free slots) left, after the charge when
+                      the bucket was charged
            wait_ms    0: this bucket allows; > 0: it denies, and can allow
                       after this many milliseconds (rounded up);
                       -1: the cost exceeds the capacity
@@ -37,9 +52,10 @@ The other scripts share this code by text instead (lua.go): the lines
 between the marker comments "block NAME" and "end NAME" are pasted where
 another script has the marker comment "use NAME". The blocks are:
 
-  load    reads the bucket at `key` for parameters `cap, refill, scale` and
-          declares `u, last`: the units it holds now, in this scale (a
-          missing key is a full bucket), and the time of its state.
+  load    reads the bucket at `key` for parameters `cap, refill, scale`
+          into `u, last`, declared by the user as `cap, now`: the units it
+          holds now, in this scale (a missing key is a full bucket), and the
+          time of its state.
   full    declares `full`: the milliseconds, rounded up, until a bucket
           holding `u` units with state time `last` is full (its TTL); a
           clock that stepped back (last > now) adds the difference.
@@ -53,6 +69,7 @@ local now = clock[1] * 1000000 + clock[2]
 local floor, pack, unpack, call = math.floor, struct.pack, struct.unpack, redis.call
 
 local ko, ao, n = 0, 0, #KEYS
+local lease = ARGV[n + 1]
 
 --[[block decide]]
 -- A constructor sizes the reply's array part at once; filling an empty
@@ -71,11 +88,16 @@ local allowed = true
 
 -- Pass 1: refill and check every bucket; write nothing. The reply keeps
 -- each bucket's units and state time for pass 2.
+local ms = floor(now / 1000)
 for i = 1, n do
   local key = KEYS[ko + i]
-  local cap, refill, scale, cost = unpack('<dddd', ARGV[ao + i])
-  --[[block load]]
+  local cap, refill, scale, cost, flags = unpack('<ddddd', ARGV[ao + i])
   local u, last = cap, now
+  if flags >= 2 then
+    -- A concurrency limit: the slots that no live lease holds.
+    u = cap - call('ZCOUNT', key, '(' .. ms, '+inf')
+  else
+  --[[block load]]
   local v = call('GET', key)
   if v then
     if #v ~= 24 then
@@ -98,16 +120,19 @@ for i = 1, n do
     end
   end
   --[[end load]]
+  end
   local wait = 0
   if cost > cap then
-    wait, allowed = -1, false
+    wait = -1
+  elseif cost > u and flags >= 2 then
+    wait = 1000
   elseif cost > u then
     -- ceil((cost - u) / (refill * 1000)) milliseconds, exact below 2^53
     local d, per = cost - u, refill * 1000
     wait = floor(d / per)
     if wait * per < d then wait = wait + 1 end
-    allowed = false
   end
+  if wait ~= 0 and flags % 2 == 0 then allowed = false end
   local j = 3 * i
   reply[j - 2] = u
   reply[j - 1] = wait
@@ -117,10 +142,22 @@ end
 -- Pass 2: charge every bucket if all allowed; report remaining and time
 -- until full.
 for i = 1, n do
-  local cap, refill, scale, cost = unpack('<dddd', ARGV[ao + i])
+  local cap, refill, scale, cost, flags = unpack('<ddddd', ARGV[ao + i])
   local j = 3 * i
   local u, last = reply[j - 2], reply[j]
-  local charge = allowed and cost > 0
+  -- A shadow bucket that denies is not charged: as if enforced.
+  local charge = allowed and cost > 0 and reply[j - 1] == 0
+  if flags >= 2 then
+    if charge then
+      local key = KEYS[ko + i]
+      call('ZREMRANGEBYSCORE', key, '-inf', ms)
+      call('ZADD', key, ms + refill, lease)
+      if call('PTTL', key) < refill then call('PEXPIRE', key, refill) end
+      u = u - cost
+    end
+    reply[j - 2] = u
+    reply[j] = 0
+  else
   if charge then
     u = u - cost
     if now > last then last = now end
@@ -142,6 +179,7 @@ for i = 1, n do
   if rem * scale > u then rem = rem - 1 end
   reply[j - 2] = rem
   reply[j] = full
+  end
 end
 --[[end decide]]
 
