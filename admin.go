@@ -174,18 +174,24 @@ type bucketParams struct {
 	Tier      string `json:"tier,omitempty"`
 	Dimension string `json:"dimension"`
 	Unit      string `json:"unit,omitempty"`
-	Identity  string `json:"identity,omitempty"`
-	ID        string `json:"id,omitempty"`
+	// Model picks a limit scoped by models: the first whose globs match
+	// it, and its bucket for this model. Without it, the unscoped limit.
+	Model    string `json:"model,omitempty"`
+	Identity string `json:"identity,omitempty"`
+	ID       string `json:"id,omitempty"`
 }
 
 // bucketState is the answer of the bucket endpoints.
 type bucketState struct {
-	Handler    int     `json:"handler"`
-	Tier       string  `json:"tier"`
-	Dimension  string  `json:"dimension"`
-	Unit       string  `json:"unit"`
-	ID         string  `json:"id"`
-	Key        string  `json:"key"`
+	Handler   int    `json:"handler"`
+	Tier      string `json:"tier"`
+	Dimension string `json:"dimension"`
+	Unit      string `json:"unit"`
+	Model     string `json:"model,omitempty"`
+	ID        string `json:"id"`
+	Key       string `json:"key"`
+	// Tokens is what the bucket holds; for a concurrency limit, its free
+	// slots (capacity minus the requests in flight).
 	Tokens     int64   `json:"tokens"`
 	Capacity   int64   `json:"capacity"`
 	RefillRate float64 `json:"refill_rate"`
@@ -208,6 +214,16 @@ type bucketTarget struct {
 	limit *limit
 	rate  float64
 	key   string
+	model string // the model of a scoped limit's bucket
+}
+
+// take is a peek (cost 0) at the target's bucket.
+func (bt *bucketTarget) take() bucket.Take {
+	t := bucket.Take{Spec: bt.limit.spec}
+	if bt.limit.concurrent {
+		t.Lease = bt.h.leaseMS
+	}
+	return t
 }
 
 // bucket answers a lookup, or a reset when reset is set.
@@ -240,13 +256,13 @@ func (a *AdminAPI) bucket(w http.ResponseWriter, r *http.Request, reset bool) er
 	}
 	var st bucketState
 	err = c.probe(r.Context(), timeout, func(ctx context.Context) (err error) {
-		st, err = peek(ctx, c, bt.key, bt.limit.spec)
+		st, err = peek(ctx, c, bt.key, bt.take())
 		return err
 	})
 	if err != nil {
 		return apiError(http.StatusServiceUnavailable, "redis: reading the bucket: "+err.Error())
 	}
-	st.Handler, st.Tier, st.Dimension, st.Unit = bt.index, bt.tier.name, bt.limit.dimension, unitName(bt.limit)
+	st.Handler, st.Tier, st.Dimension, st.Unit, st.Model = bt.index, bt.tier.name, bt.limit.dimension, unitName(bt.limit), bt.model
 	st.ID, st.Key, st.Capacity, st.RefillRate, st.Deleted = keyID(bt.key), bt.key, bt.limit.spec.Capacity, bt.rate, deleted
 	return writeAdminJSON(w, st)
 }
@@ -285,7 +301,7 @@ func readBucketParams(r *http.Request) (bucketParams, error) {
 		}
 		p.Handler = &i
 	}
-	p.Tier, p.Dimension, p.Unit = q.Get("tier"), q.Get("dimension"), q.Get("unit")
+	p.Tier, p.Dimension, p.Unit, p.Model = q.Get("tier"), q.Get("dimension"), q.Get("unit"), q.Get("model")
 	p.Identity, p.ID = q.Get("identity"), q.Get("id")
 	return p, nil
 }
@@ -323,58 +339,63 @@ func resolveBucket(p bucketParams) (*bucketTarget, error) {
 	switch unit {
 	case "":
 		unit = UnitRequests
-	case UnitRequests, UnitTokens:
+	case UnitRequests, UnitTokens, UnitConcurrent:
 	default:
-		return nil, apiError(http.StatusBadRequest, fmt.Sprintf("unit %q: must be requests or tokens", p.Unit))
+		return nil, apiError(http.StatusBadRequest, fmt.Sprintf("unit %q: must be requests, tokens or concurrent", p.Unit))
 	}
 	for i := range bt.tier.limits {
-		if l := &bt.tier.limits[i]; l.dimension == p.Dimension && unitName(l) == unit {
-			bt.limit = l
+		l := &bt.tier.limits[i]
+		if l.dimension != p.Dimension || unitName(l) != unit {
+			continue
 		}
+		if p.Model == "" && l.scope == 0 || p.Model != "" && l.scope != 0 && l.matches(p.Model) {
+			bt.limit = l
+			break
+		}
+	}
+	if bt.limit == nil && p.Model != "" {
+		return nil, apiError(http.StatusNotFound, fmt.Sprintf("tier %q has no %s limit on dimension %q for model %q", bt.tier.name, unit, p.Dimension, p.Model))
 	}
 	if bt.limit == nil {
 		return nil, apiError(http.StatusNotFound, fmt.Sprintf("tier %q has no %s limit on dimension %q", bt.tier.name, unit, p.Dimension))
 	}
-	bt.rate = configuredRate(h, bt.tier.name, p.Dimension, unit)
+	bt.model = p.Model
+	bt.rate = bt.limit.rate
 	return bt, bt.setKey(p)
 }
 
 // setKey sets the bucket's key from the raw identity or the hashed id.
 func (bt *bucketTarget) setKey(p bucketParams) error {
-	l, h := bt.limit, bt.h
+	h := bt.h
 	switch {
 	case (p.Identity == "") == (p.ID == ""):
 		return apiError(http.StatusBadRequest, "identity or id: give exactly one")
 	case p.Identity != "":
-		bt.key = h.keyer.Key(l.dimension, h.normalizeIdentity(p.Identity), l.unit)
+		bt.key = bt.keyOf(h.normalizeIdentity(p.Identity))
 		return nil
 	}
 	if len(p.ID) != bucket.IDLength || strings.IndexFunc(p.ID, notBase64URL) >= 0 {
 		return apiError(http.StatusBadRequest, fmt.Sprintf("id %q: must be a hashed identity of %d base64url characters, as in a bucket key", p.ID, bucket.IDLength))
 	}
 	// Any key of the limit has the same layout: swap in the id.
-	k := h.keyer.Key(l.dimension, "", l.unit)
+	k := bt.keyOf("")
 	end := strings.LastIndexByte(k, '}')
 	bt.key = k[:end-bucket.IDLength] + p.ID + k[end:]
 	return nil
 }
 
-func notBase64URL(r rune) bool {
-	return !(r >= 'A' && r <= 'Z' || r >= 'a' && r <= 'z' || r >= '0' && r <= '9' || r == '-' || r == '_')
+// keyOf returns the key of identity's bucket of the target's limit, as
+// bucketsOf builds it.
+func (bt *bucketTarget) keyOf(identity string) string {
+	l, k := bt.limit, bt.h.keyer
+	if l.scope != 0 {
+		return k.Key(l.dimension, identity, l.keyScope+k.ID(bt.model))
+	}
+	return k.Key(l.dimension, identity, l.unit)
 }
 
-func configuredRate(h *Handler, tierName, dimension, unit string) float64 {
-	for _, t := range h.Tiers {
-		if t.Name != tierName {
-			continue
-		}
-		for _, l := range t.Limits {
-			if l.Dimension == dimension && l.unit() == unit {
-				return l.RefillRate
-			}
-		}
-	}
-	return 0
+func notBase64URL(r rune) bool {
+	return !(r >= 'A' && r <= 'Z' || r >= 'a' && r <= 'z' || r >= '0' && r <= '9' || r == '-' || r == '_')
 }
 
 func unitName(l *limit) string {
@@ -387,8 +408,8 @@ func unitName(l *limit) string {
 // peek reads a bucket as the limiter sees it now, charging nothing: the
 // limiter's own store with cost 0 (a peek: the script on the Redis clock,
 // nothing written), then the key's PTTL.
-func peek(ctx context.Context, c *conn, key string, spec bucket.Spec) (bucketState, error) {
-	d, err := c.store.Take(ctx, []string{key}, []bucket.Take{{Spec: spec}})
+func peek(ctx context.Context, c *conn, key string, take bucket.Take) (bucketState, error) {
+	d, err := c.store.Take(ctx, []string{key}, []bucket.Take{take})
 	if err != nil {
 		return bucketState{}, err
 	}

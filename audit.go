@@ -128,13 +128,14 @@ func (a *auditor) admit(key string) (suppressed int64, ok bool) {
 	return suppressed, true
 }
 
-// denied writes the audit entry of a denied request, unless its bucket
-// had one in the current window.
-func (a *auditor) denied(r *http.Request, t *tier, req *request, d *bucket.Decision, degraded bool) {
+// denied writes the audit entry of the denial of a request by its bucket
+// i (the deciding one, or a shadow bucket that would have denied it, with
+// "shadow":true), unless the bucket had one in the current window.
+func (a *auditor) denied(r *http.Request, t *tier, req *request, d *bucket.Decision, i int, degraded bool) {
 	if a == nil || !a.logger.Core().Enabled(zapcore.InfoLevel) {
 		return
 	}
-	key := req.keys[d.Deciding]
+	key := req.keys[i]
 	suppressed, ok := a.admit(key)
 	if !ok {
 		return
@@ -143,23 +144,26 @@ func (a *auditor) denied(r *http.Request, t *tier, req *request, d *bucket.Decis
 	if ce == nil {
 		return
 	}
-	l := req.limits[d.Deciding]
+	l, b := req.limits[i], &d.Buckets[i]
 	unit := l.unit
 	if unit == "" {
 		unit = UnitRequests
 	}
-	fields := make([]zap.Field, 0, 11)
+	fields := make([]zap.Field, 0, 12)
 	fields = append(fields,
 		zap.String("tier", t.name),
 		zap.String("dimension", l.dimension),
 		zap.String("unit", unit),
 		zap.String("id", keyID(key)),
 		zap.String("key", key),
-		zap.String("reason", d.Reason.String()),
-		zap.Int64("cost", req.takes[d.Deciding].Cost),
-		zap.Int64("retry_after_ms", d.RetryAfterMS),
+		zap.String("reason", b.Reason.String()),
+		zap.Int64("cost", req.takes[i].Cost),
+		zap.Int64("retry_after_ms", b.RetryAfterMS),
 		zap.Bool("degraded", degraded),
 	)
+	if b.Shadow {
+		fields = append(fields, zap.Bool("shadow", true))
+	}
 	if a.clientIP {
 		fields = append(fields, zap.String("client_ip", clientIP(r)))
 	}

@@ -67,7 +67,7 @@ func (f *auditFixture) deny(identity string, tokens bool) {
 		takes: []bucket.Take{{Spec: l.spec, Cost: 7}}, limits: []*limit{l}}
 	d := &bucket.Decision{Reason: bucket.RateLimited, RetryAfterMS: 1500, Deciding: 0,
 		Buckets: []bucket.Result{{Reason: bucket.RateLimited, RetryAfterMS: 1500}}}
-	f.a.denied(f.r, f.tier, req, d, false)
+	f.a.denied(f.r, f.tier, req, d, 0, false)
 }
 
 // wantEntry checks an audit entry's logger, message and every field.

@@ -2,9 +2,10 @@ package tokenbucket
 
 import (
 	"math"
+	"slices"
+	"strconv"
 
 	"github.com/dustin/go-humanize"
-	"strconv"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -57,8 +58,11 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		tier_from    <placeholder>
 //		default_tier <name>
 //		tier <name> {
-//			<dimension> <capacity> <refill> [requests|tokens]
+//			<dimension> <capacity> <refill> [requests|tokens] [models <glob>...] [shadow]
+//			<dimension> <n> concurrent [models <glob>...] [shadow]
 //		}
+//		concurrency_lease <duration>   # default 10m
+//		shadow
 //
 //		cost           <integer | placeholder>
 //		cost estimate {
@@ -115,11 +119,24 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = h.unmarshalSettle(d)
 		case "demote":
 			err = h.unmarshalDemote(d)
-		case "openai_headers":
+		case "openai_headers", "shadow":
 			if d.NextArg() {
 				return d.ArgErr()
 			}
-			h.OpenAIHeaders = true
+			if dir == "shadow" {
+				h.Shadow = true
+			} else {
+				h.OpenAIHeaders = true
+			}
+		case "concurrency_lease":
+			var v string
+			if v, err = oneArg(d); err == nil {
+				dur, perr := caddy.ParseDuration(v)
+				if perr != nil || durationRule(dur) != nil {
+					return d.Errf("invalid concurrency_lease %q: %v", v, errDuration)
+				}
+				h.ConcurrencyLease = caddy.Duration(dur)
+			}
 		case "key_prefix", "key_secret", "tier_from", "default_tier", "on_redis_error", "on_deny", "error_format":
 			var v string
 			if v, err = oneArg(d); err == nil {
@@ -472,12 +489,30 @@ func (h *Handler) unmarshalTier(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-// unmarshalLimit reads <dimension> <capacity> <refill> [requests|tokens].
+// unmarshalLimit reads <dimension> <capacity> <refill> [requests|tokens]
+// or <dimension> <n> concurrent, then [models <glob>...] [shadow].
 func unmarshalLimit(d *caddyfile.Dispenser) (Limit, error) {
 	l := Limit{Dimension: d.Val()}
 	args := d.RemainingArgs()
+	if i := slices.Index(args, "shadow"); i >= 0 && i == len(args)-1 {
+		l.Shadow, args = true, args[:i]
+	}
+	if i := slices.Index(args, "models"); i >= 0 {
+		if l.Models = args[i+1:]; len(l.Models) == 0 {
+			return l, d.Errf("models for dimension %q: at least one model glob", l.Dimension)
+		}
+		args = args[:i]
+	}
+	if len(args) == 2 && args[1] == UnitConcurrent {
+		n, err := strconv.ParseInt(args[0], 10, 64)
+		if err != nil || capacityRule(n) != nil {
+			return l, d.Errf("invalid concurrent %q for dimension %q: %v", args[0], l.Dimension, errCapacity)
+		}
+		l.Capacity, l.Unit = n, UnitConcurrent
+		return l, nil
+	}
 	if len(args) < 2 || len(args) > 3 {
-		return l, argErr(d, "limit "+l.Dimension, args, "<capacity> <refill> [requests|tokens]")
+		return l, argErr(d, "limit "+l.Dimension, args, "<capacity> <refill> [requests|tokens] or <n> concurrent, then [models <glob>...] [shadow]")
 	}
 	capacity, err := strconv.ParseInt(args[0], 10, 64)
 	if err != nil || capacityRule(capacity) != nil {

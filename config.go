@@ -50,16 +50,40 @@ type Limit struct {
 	// Caddyfile's 10/1m (0.16666666666666666) is exactly 1/6 per second.
 	RefillRate float64 `json:"refill_rate"`
 	// Unit is what a token is: "requests" (the default; each request costs
-	// 1) or "tokens" (each request costs the handler's cost, e.g. LLM
-	// tokens). A dimension may have one limit of each unit.
+	// 1), "tokens" (each request costs the handler's cost, e.g. LLM
+	// tokens) or "concurrent" (Capacity is the number of requests of an
+	// identity in flight at once, across every gateway sharing the Redis;
+	// RefillRate must be 0: a slot comes back when its request's response
+	// has been written, or its lease lapses; see Handler.ConcurrencyLease).
+	// A dimension may have one limit of each unit per model scope.
 	Unit string `json:"unit,omitempty"`
+	// Models scopes the limit to the requests whose model (the request
+	// body's "model", read by estimate; see {http.token_bucket.model})
+	// matches one of these globs, in which '*' matches any run of
+	// characters and every other character itself: "gpt-4o", "gpt-4.1*",
+	// "anthropic/*". A scoped limit keeps one bucket per identity per
+	// model. When several scoped limits of one dimension and unit match a
+	// model, the first one applies. Each glob is 1 to 128 of letters,
+	// digits and ._:/@+-* (the characters of model names). Needs estimate.
+	Models []string `json:"models,omitempty"`
+	// Shadow decides and charges the limit exactly as if it were enforced,
+	// but a request it alone would deny is allowed: the would-be denial is
+	// counted (shadow_denials_total), audited with "shadow":true and set in
+	// {http.token_bucket.shadow_denied}; the client sees nothing of the
+	// limit (no 429, no Retry-After, no RateLimit item). Handler.Shadow
+	// puts every limit in shadow.
+	Shadow bool `json:"shadow,omitempty"`
 }
 
 // Units of a limit.
 const (
-	UnitRequests = "requests"
-	UnitTokens   = "tokens"
+	UnitRequests   = "requests"
+	UnitTokens     = "tokens"
+	UnitConcurrent = "concurrent"
 )
+
+// DefaultConcurrencyLease is the default concurrency_lease.
+const DefaultConcurrencyLease = 10 * time.Minute
 
 // Policies for on_redis_error.
 const (
@@ -92,13 +116,18 @@ func (h *Handler) compile() error {
 	if h.IPv6Prefix == 0 {
 		h.IPv6Prefix = 64
 	}
+	if h.ConcurrencyLease == 0 {
+		h.ConcurrencyLease = caddy.Duration(DefaultConcurrencyLease)
+	}
 	if err := h.validate(); err != nil {
 		return err
 	}
 	if err := h.Estimate.provision(); err != nil {
 		return err
 	}
-	h.tiers, h.deflt = compileTiers(h.Dimensions, h.Tiers, h.DefaultTier, h.LocalShare)
+	h.tiers, h.deflt = compileTiers(h.Dimensions, h.Tiers, h.DefaultTier, h.LocalShare, h.Shadow)
+	h.modelFirst = h.needsModelFirst()
+	h.leaseMS = time.Duration(h.ConcurrencyLease).Milliseconds()
 	h.idKeys = make([]string, len(h.Dimensions))
 	for i, d := range h.Dimensions {
 		h.idKeys[i] = placeholderKey(d.Identity)
@@ -115,10 +144,40 @@ func (h *Handler) compile() error {
 	if h.OnRedisError == "" {
 		h.OnRedisError = PolicyLocal
 	}
+
 	if h.OnRedisError == PolicyLocal {
 		h.local = bucket.NewLocal(h.LocalBuckets, h.now)
 	}
 	return nil
+}
+
+// modelPlaceholder is the request's model, set when its body is read.
+const modelPlaceholder = "{http.token_bucket.model}"
+
+// needsModelFirst reports whether a request's buckets depend on its model:
+// a limit is scoped by models, or a dimension or tier_from names
+// {http.token_bucket.model}. Then the body is read before the buckets are
+// built; else only when a tokens limit is priced.
+func (h *Handler) needsModelFirst() bool {
+	if h.Estimate == nil {
+		return false
+	}
+	if strings.Contains(h.TierFrom, modelPlaceholder) {
+		return true
+	}
+	for _, d := range h.Dimensions {
+		if strings.Contains(d.Identity, modelPlaceholder) {
+			return true
+		}
+	}
+	for _, t := range h.Tiers {
+		for _, l := range t.Limits {
+			if len(l.Models) > 0 {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // validate checks the configuration and returns the first problem, naming
@@ -183,6 +242,18 @@ func (h *Handler) validate() error {
 	if h.Settle != nil && strings.ContainsAny(h.Settle.Header, " :\r\n") {
 		return fmt.Errorf("settle.header %q: not a header name", h.Settle.Header)
 	}
+	if h.Estimate == nil {
+		for i, t := range h.Tiers {
+			for j, l := range t.Limits {
+				if len(l.Models) > 0 {
+					return fmt.Errorf("tiers[%d].limits[%d].models %q: needs estimate (cost estimate), which reads the request body's model", i, j, l.Models)
+				}
+			}
+		}
+	}
+	if err := durationRule(time.Duration(h.ConcurrencyLease)); h.ConcurrencyLease != 0 && err != nil {
+		return fmt.Errorf("concurrency_lease %v: %v", time.Duration(h.ConcurrencyLease), err)
+	}
 	if h.Settle != nil && h.Settle.IncludeUsage && h.Estimate == nil {
 		return errors.New("settle.include_usage needs estimate (cost estimate), which reads the request body it adds stream_options to")
 	}
@@ -233,13 +304,27 @@ func (t Tier) validate(i int, dims map[string]bool) error {
 			return fmt.Errorf("%s: tier %q, dimension %q: %v", field, t.Name, l.Dimension, err)
 		}
 		unit := l.unit()
-		if seen[l.Dimension+" "+unit] {
-			return fmt.Errorf("%s: tier %q has two %s limits on dimension %q", field, t.Name, unit, l.Dimension)
+		if len(l.Models) == 0 {
+			if seen[l.Dimension+" "+unit] {
+				return fmt.Errorf("%s: tier %q has two %s limits on dimension %q", field, t.Name, unit, l.Dimension)
+			}
+			seen[l.Dimension+" "+unit] = true
 		}
-		seen[l.Dimension+" "+unit] = true
+		for k, g := range l.Models {
+			if !modelGlobRE.MatchString(g) {
+				return fmt.Errorf("%s.models[%d] %q: must be 1 to 128 letters, digits or ._:/@+-*", field, k, g)
+			}
+			if seen[l.Dimension+" "+unit+" "+g] {
+				return fmt.Errorf("%s.models[%d] %q: tier %q has two %s limits on dimension %q for this model glob", field, k, g, t.Name, unit, l.Dimension)
+			}
+			seen[l.Dimension+" "+unit+" "+g] = true
+		}
 	}
 	return nil
 }
+
+// modelGlobRE is what a models glob may hold.
+var modelGlobRE = regexp.MustCompile(`^[A-Za-z0-9._:/@+*-]{1,128}$`)
 
 func (l Limit) unit() string {
 	if l.Unit == "" {
@@ -251,12 +336,18 @@ func (l Limit) unit() string {
 // spec checks the limit's numbers and compiles them.
 func (l Limit) spec() (bucket.Spec, error) {
 	switch l.Unit {
-	case "", UnitRequests, UnitTokens:
+	case "", UnitRequests, UnitTokens, UnitConcurrent:
 	default:
-		return bucket.Spec{}, fmt.Errorf("unit %q: must be requests or tokens", l.Unit)
+		return bucket.Spec{}, fmt.Errorf("unit %q: must be requests, tokens or concurrent", l.Unit)
 	}
 	if err := capacityRule(l.Capacity); err != nil {
 		return bucket.Spec{}, fmt.Errorf("capacity %d: %v", l.Capacity, err)
+	}
+	if l.Unit == UnitConcurrent {
+		if l.RefillRate != 0 {
+			return bucket.Spec{}, fmt.Errorf("refill_rate %v: a concurrent limit has no refill (0)", l.RefillRate)
+		}
+		return bucket.ConcurrencySpec(l.Capacity), nil
 	}
 	if math.IsNaN(l.RefillRate) || math.IsInf(l.RefillRate, 0) || l.RefillRate <= 0 {
 		return bucket.Spec{}, fmt.Errorf("refill_rate %v: must be a finite number > 0", l.RefillRate)

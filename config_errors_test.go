@@ -221,7 +221,7 @@ var jsonErrorCases = []struct {
 	{"refill_rate missing", jsonErrorLimit(`{"dimension": "user", "capacity": 10}`), `refill_rate 0: must be a finite number > 0`},
 	{"refill_rate negative", jsonErrorLimit(`{"dimension": "user", "capacity": 10, "refill_rate": -0.5}`), `refill_rate -0.5: must be a finite number > 0`},
 	{"refill_rate too fine", jsonErrorLimit(`{"dimension": "user", "capacity": 10, "refill_rate": 1e-300}`), `refill_rate 1e-300: refill rate`},
-	{"unit unknown", jsonErrorLimit(`{"dimension": "user", "capacity": 10, "refill_rate": 1, "unit": "bytes"}`), `unit "bytes": must be requests or tokens`},
+	{"unit unknown", jsonErrorLimit(`{"dimension": "user", "capacity": 10, "refill_rate": 1, "unit": "bytes"}`), `unit "bytes": must be requests, tokens or concurrent`},
 	{"undeclared dimension", jsonErrorLimit(`{"dimension": "org", "capacity": 10, "refill_rate": 1}`), `tiers[0].limits[0].dimension "org": tier "free" limits an undeclared dimension`},
 	{"unknown field", jsonErrorLimit(`{"dimension": "user", "capacity": 10, "refill_rate": 1, "burst": 5}`), `unknown field "burst"`},
 	{"no tiers", `{"handler": "token_bucket", "dimensions": [{"name": "user", "identity": "{http.auth.user.id}"}]}`, `tiers: at least one tier is required`},

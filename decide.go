@@ -38,6 +38,9 @@ type verdict struct {
 func (h *Handler) build(x *exchange, w http.ResponseWriter, r *http.Request) {
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	*x = exchange{inputs: inputs{w: w, r: r, repl: repl}}
+	if h.modelFirst {
+		_ = x.readCost(h) // an error is price's to answer, when it needs the cost
+	}
 	x.tier = h.resolveTier(repl)
 	x.req = h.bucketsOf(&x.inputs, x.tier)
 }
@@ -80,7 +83,8 @@ func (h *Handler) decide(x *exchange) verdict {
 	}
 	if h.denials != nil && d.Reason == bucket.RateLimited {
 		for i, b := range d.Buckets {
-			if b.Reason == bucket.RateLimited {
+			// A slot frees at no known time; a shadow denial denies nothing.
+			if b.Reason == bucket.RateLimited && !b.Shadow && !req.limits[i].concurrent {
 				h.denials.Remember(req.keys[i], req.takes[i].Cost, start, b.RetryAfterMS, b.Remaining)
 			}
 		}
@@ -114,7 +118,7 @@ func (h *Handler) cachedDenial(t *tier, req *request, tokens bool) (verdict, boo
 	var sub *request
 	var results []bucket.Result
 	for i, k := range req.keys {
-		if req.limits[i].tokens != tokens {
+		if l := req.limits[i]; l.tokens != tokens || l.shadow || l.concurrent {
 			continue
 		}
 		wait, remaining, ok := h.denials.Check(k, req.takes[i].Cost)

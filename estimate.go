@@ -98,9 +98,10 @@ func (e *Estimate) provision() error {
 
 // tokenEstimate is what the estimate makes of a request.
 type tokenEstimate struct {
-	prompt      int64 // the prompt's tokens
-	completion  int64 // the completion budget: the body's, else default_max_tokens
-	streamUsage bool  // stream_options.include_usage was added to the body
+	prompt      int64  // the prompt's tokens
+	completion  int64  // the completion budget: the body's, else default_max_tokens
+	streamUsage bool   // stream_options.include_usage was added to the body
+	model       string // the body's model, "" when it has none
 }
 
 // cost is the charge of the estimate against tokens limits whose smallest
@@ -137,7 +138,7 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 	if err != nil {
 		return e.invalid()
 	}
-	est := tokenEstimate{prompt: req.PromptTokens, completion: req.Budget(e.DefaultMaxTokens)}
+	est := tokenEstimate{prompt: req.PromptTokens, completion: req.Budget(e.DefaultMaxTokens), model: req.Model}
 	if streamUsage && req.NeedsStreamUsage() && includesUsage(r.URL.Path) {
 		if out, changed, err := llm.WithStreamUsage(body, req); err == nil && changed {
 			setBody(r, out)

@@ -168,7 +168,7 @@ func FuzzCaddyfile(f *testing.F) {
 			t.Fatalf("the JSON of an accepted config is invalid: %v\n%s\nfrom\n%s", err, b, text)
 		}
 		fuzzSameSpecs(t, &h, &back)
-		tiers, deflt := compileTiers(back.Dimensions, back.Tiers, back.DefaultTier, back.LocalShare)
+		tiers, deflt := compileTiers(back.Dimensions, back.Tiers, back.DefaultTier, back.LocalShare, back.Shadow)
 		if deflt == nil || len(tiers) != len(back.Tiers) {
 			t.Fatalf("compiled %d tiers of %d, default %v", len(tiers), len(back.Tiers), deflt)
 		}
@@ -274,7 +274,7 @@ func FuzzSettle(f *testing.F) {
 			t.Fatalf("usage %d out of 0..2^53-1", used)
 		}
 		req := &request{keys: []string{"k"}, limits: limits, takes: []bucket.Take{{Spec: limits[0].spec, Cost: cost}}}
-		_, adj := req.adjustments(used, partial)
+		_, adj := req.adjustments(&bucket.Decision{Allowed: true, Deciding: -1, Buckets: make([]bucket.Result, 1)}, used, partial)
 		for _, a := range adj {
 			if a.Delta < -cost {
 				t.Fatalf("used %d of %d charged: gives back %d", used, cost, -a.Delta)

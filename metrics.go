@@ -62,6 +62,13 @@ type collectors struct {
 	breakerTransitions *prometheus.CounterVec
 	// breakerOpen is read from the live breakers at scrape time.
 	breakerOpen breakerCollector
+	// shadowDenials counts the would-be denials of shadow limits, by tier
+	// and the dimension of the shadow limit; the requests were allowed.
+	shadowDenials *prometheus.CounterVec
+	// concurrent is the requests in flight that hold a slot of a
+	// concurrency limit, taken through this process, by tier and
+	// dimension (Redis holds the count across gateways).
+	concurrent *prometheus.GaugeVec
 	// settlements counts the settlements of LLM usage (settle) by
 	// outcome: settled (the usage was read and applied), not_reported (no
 	// usage in the response: the estimate stands), invalid (usage with a
@@ -136,6 +143,12 @@ func newCollectors() *collectors {
 		breakerOpen: breakerCollector{desc: prometheus.NewDesc(prometheus.BuildFQName(ns, sub, "breaker_open"),
 			"Shared Redis clients whose circuit breaker is open or half-open, so that on_redis_error decides: 0 or 1 with one Redis configuration.",
 			nil, nil)},
+		shadowDenials: counter("shadow_denials_total",
+			"Requests that a shadow limit would have denied (they were allowed), by tier and the dimension of the shadow limit.",
+			"tier", "dimension"),
+		concurrent: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Subsystem: sub, Name: "concurrent_requests",
+			Help: "Requests in flight holding a slot of a concurrency limit (unit concurrent), taken through this process, by tier and dimension."},
+			[]string{"tier", "dimension"}),
 		settlements: counter("settlements_total",
 			"Settlements of LLM token usage after the response, by outcome (settled, not_reported, invalid, unreadable, failed).",
 			"outcome"),
@@ -165,7 +178,7 @@ func (m *collectors) register(reg *prometheus.Registry) error {
 		return nil
 	}
 	for _, c := range []prometheus.Collector{m.decisions, m.denials, m.charged, m.local,
-		m.redisDuration, m.redisErrors, m.breakerTransitions, m.breakerOpen, m.settlements} {
+		m.redisDuration, m.redisErrors, m.breakerTransitions, m.breakerOpen, m.settlements, m.shadowDenials, m.concurrent} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if errors.As(err, &are) && are.ExistingCollector == c {
@@ -262,8 +275,17 @@ type handlerMetrics struct {
 }
 
 type limitMetrics struct {
-	denials prometheus.Counter
+	denials prometheus.Counter // or, for a shadow limit, shadow_denials_total
 	charged prometheus.Counter
+	inUse   prometheus.Gauge // concurrency limits only
+}
+
+// limit returns l's metric children; none (nil fields) when m is nil.
+func (m *handlerMetrics) limit(l *limit) limitMetrics {
+	if m == nil {
+		return limitMetrics{}
+	}
+	return m.limits[l]
 }
 
 // provisionObservability registers the metrics in the config's registry,
@@ -288,10 +310,17 @@ func (h *Handler) provisionObservability(ctx caddy.Context) error {
 			if unit == "" {
 				unit = UnitRequests
 			}
-			m.limits[l] = limitMetrics{
+			lm := limitMetrics{
 				denials: tbMetrics.denials.WithLabelValues(t.name, l.dimension),
 				charged: tbMetrics.charged.WithLabelValues(t.name, l.dimension, unit),
 			}
+			if l.shadow {
+				lm.denials = tbMetrics.shadowDenials.WithLabelValues(t.name, l.dimension)
+			}
+			if l.concurrent {
+				lm.inUse = tbMetrics.concurrent.WithLabelValues(t.name, l.dimension)
+			}
+			m.limits[l] = lm
 		}
 	}
 	h.metrics = m
@@ -315,16 +344,26 @@ func (m *handlerMetrics) count(t *tier, o outcome, local bool) {
 
 // observe records a decision of the Redis or the local store: the
 // outcome, the charges of an allowed request, or the denial and its audit
-// entry.
+// entry, and the would-be denials of shadow limits with theirs.
 func (h *Handler) observe(r *http.Request, t *tier, req *request, d *bucket.Decision, local bool) {
 	m := h.metrics
 	if m == nil {
 		return
 	}
+	if d.ShadowDenied {
+		for i, b := range d.Buckets {
+			if b.Shadow && b.Reason != bucket.Allowed {
+				if lm := m.limits[req.limits[i]]; lm.denials != nil {
+					lm.denials.Inc()
+				}
+				h.audit.denied(r, t, req, d, i, local)
+			}
+		}
+	}
 	if d.Allowed {
 		m.count(t, outcomeAllowed, local)
 		for i, l := range req.limits {
-			if c, lm := req.takes[i].Cost, m.limits[l]; c > 0 && lm.charged != nil {
+			if c, lm := req.takes[i].Cost, m.limits[l]; c > 0 && lm.charged != nil && d.Buckets[i].Reason == bucket.Allowed {
 				lm.charged.Add(float64(c))
 			}
 		}
@@ -334,5 +373,5 @@ func (h *Handler) observe(r *http.Request, t *tier, req *request, d *bucket.Deci
 	if lm := m.limits[req.limits[d.Deciding]]; lm.denials != nil {
 		lm.denials.Inc()
 	}
-	h.audit.denied(r, t, req, d, local)
+	h.audit.denied(r, t, req, d, d.Deciding, local)
 }

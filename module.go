@@ -119,6 +119,18 @@ type Handler struct {
 	// and the tier, never an identity.
 	ErrorFormat string `json:"error_format,omitempty"`
 
+	// Shadow puts every limit of the handler in shadow mode (see
+	// Limit.Shadow): decided and charged, never enforced. For trying a
+	// new configuration on live traffic before enforcing it.
+	Shadow bool `json:"shadow,omitempty"`
+
+	// ConcurrencyLease is how long a concurrency slot (unit "concurrent")
+	// is held without word from its gateway (default 10m): the gateway
+	// renews the lease of a response still being written every half lease,
+	// so a long stream keeps its slot, and a gateway that dies frees its
+	// slots when their leases lapse.
+	ConcurrencyLease caddy.Duration `json:"concurrency_lease,omitempty"`
+
 	// Demote moves an identity that keeps hammering while limited to a
 	// stricter tier for a while. See Demote.
 	Demote *Demote `json:"demote,omitempty"`
@@ -176,6 +188,11 @@ type Handler struct {
 	audit   *auditor
 	poolKey string
 	now     func() time.Time
+	// modelFirst: the request's buckets depend on its model (a limit
+	// scoped by models, or a template naming {http.token_bucket.model}),
+	// so the body is read before they are built.
+	modelFirst bool
+	leaseMS    int64 // ConcurrencyLease in milliseconds
 }
 
 // store decides a request's buckets; bucket.Redis and bucket.Local are

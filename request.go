@@ -1,9 +1,13 @@
 package tokenbucket
 
 import (
+	"crypto/rand"
+	"encoding/base64"
 	"net/http"
 	"net/netip"
+	"strconv"
 	"strings"
+	"sync/atomic"
 
 	"github.com/caddyserver/caddy/v2"
 
@@ -16,6 +20,7 @@ type request struct {
 	takes     []bucket.Take
 	limits    []*limit
 	tokensCap int64 // the smallest capacity of its tokens limits; -1: none
+	leases    int   // its concurrency limits
 	demoted   bool  // decided on a demotion's penalty tier, or demoted by this denial
 }
 
@@ -58,7 +63,8 @@ func (r *request) hasTokens() bool { return r.tokensCap >= 0 }
 func (r *request) localTakes() []bucket.Take {
 	takes := make([]bucket.Take, len(r.takes))
 	for i, t := range r.takes {
-		takes[i] = bucket.Take{Spec: r.limits[i].local, Cost: t.Cost}
+		t.Spec = r.limits[i].local
+		takes[i] = t
 	}
 	return takes
 }
@@ -74,8 +80,11 @@ type inputs struct {
 	ids      [8]string // by dimension, the first 8; "" = skipped
 	resolved uint8     // bit i: ids[i] is resolved
 	est      tokenEstimate
-	cost     int64 // the cost template's value, once costSet
-	costSet  bool  // est or cost is set
+	cost     int64  // the cost template's value, once costSet
+	costSet  bool   // est or cost is set, or costErr
+	costErr  error  // why the cost cannot be had
+	modelID  string // the hashed model, for the keys of scoped limits
+	lease    string // the lease id of the request's concurrency slots
 }
 
 // identity returns dimension i's identity (see Handler.identity), resolved
@@ -101,17 +110,8 @@ func (in *inputs) tokensCost(h *Handler, capacity int64) (int64, error) {
 	if h.Estimate == nil && h.cost >= 0 {
 		return h.cost, nil
 	}
-	if !in.costSet {
-		var err error
-		if h.Estimate != nil {
-			in.est, err = h.Estimate.estimate(in.w, in.r, h.Settle != nil && h.Settle.IncludeUsage)
-		} else {
-			in.cost, err = parseCost(in.repl.ReplaceAll(h.Cost, ""))
-		}
-		if err != nil {
-			return 0, err
-		}
-		in.costSet = true
+	if err := in.readCost(h); err != nil {
+		return 0, err
 	}
 	cost := in.cost
 	if h.Estimate != nil {
@@ -119,6 +119,61 @@ func (in *inputs) tokensCost(h *Handler, capacity int64) (int64, error) {
 	}
 	in.repl.Set("http.token_bucket.cost", cost)
 	return cost, nil
+}
+
+// readCost reads the request's tokens cost once: with estimate, the body
+// (which sets {http.token_bucket.model}), else the cost template. It fails
+// with errInvalidBody, errBodyTimeout or errInvalidCost, every time it is
+// called: a body is read at most once.
+func (in *inputs) readCost(h *Handler) error {
+	if in.costSet {
+		return in.costErr
+	}
+	in.costSet = true
+	if h.Estimate != nil {
+		in.est, in.costErr = h.Estimate.estimate(in.w, in.r, h.Settle != nil && h.Settle.IncludeUsage)
+	} else {
+		in.cost, in.costErr = parseCost(in.repl.ReplaceAll(h.Cost, ""))
+	}
+	if in.est.model != "" {
+		in.repl.Set("http.token_bucket.model", in.est.model)
+	}
+	return in.costErr
+}
+
+// scopedKey returns the key of limit l's bucket for identity id and the
+// request's model: the model's hash after the limit's scope, so that any
+// model name gives a key of bounded length.
+func (in *inputs) scopedKey(h *Handler, l *limit, id string) string {
+	if in.modelID == "" {
+		in.modelID = h.keyer.ID(in.est.model)
+	}
+	return h.keyer.Key(l.dimension, id, l.keyScope+in.modelID)
+}
+
+// leaseID returns the request's lease id for its concurrency slots, made
+// on first use.
+func (in *inputs) leaseID() string {
+	if in.lease == "" {
+		in.lease = newLeaseID()
+	}
+	return in.lease
+}
+
+// leasePrefix makes lease ids unique across gateways: 96 random bits per
+// process, then a counter.
+var (
+	leasePrefix = func() string {
+		var b [12]byte
+		_, _ = rand.Read(b[:]) // never fails (crypto/rand)
+		return base64.RawURLEncoding.EncodeToString(b[:]) + ":"
+	}()
+	leaseCount atomic.Uint64
+)
+
+// newLeaseID returns an id no other request of any gateway has.
+func newLeaseID() string {
+	return leasePrefix + strconv.FormatUint(leaseCount.Add(1), 36)
 }
 
 // buildRequest returns the buckets of tier t for the request of in, priced:
@@ -129,23 +184,42 @@ func (h *Handler) buildRequest(in *inputs, t *tier) (*request, error) {
 }
 
 // bucketsOf returns the buckets of tier t for the request of in: one per
-// limit whose identity is not empty. Requests limits cost 1; tokens limits
+// limit whose identity is not empty and, for a limit scoped by models,
+// whose model matches (the first such limit of its dimension and unit).
+// Requests limits cost 1 and concurrency limits one slot; tokens limits
 // are priced by price, so that a request already denied by a requests
-// limit is answered without reading its body.
+// limit is answered without reading its body (unless scoped limits need
+// its model first).
 func (h *Handler) bucketsOf(in *inputs, t *tier) *request {
 	req := newRequest(len(t.limits))
 	req.tokensCap = -1
+	var scoped uint64 // the dimensions and units whose scoped limit applies
 	for i := range t.limits {
 		l := &t.limits[i]
+		if l.scope != 0 && (scoped&l.scope != 0 || in.est.model == "" || !l.matches(in.est.model)) {
+			continue
+		}
 		id := in.identity(h, l.dim)
 		if id == "" {
 			continue
 		}
+		take := bucket.Take{Spec: l.spec, Cost: 1, Shadow: l.shadow}
 		if l.tokens && (req.tokensCap < 0 || l.spec.Capacity < req.tokensCap) {
 			req.tokensCap = l.spec.Capacity
 		}
-		req.keys = append(req.keys, h.keyer.Key(l.dimension, id, l.unit))
-		req.takes = append(req.takes, bucket.Take{Spec: l.spec, Cost: 1})
+		if l.concurrent {
+			take.Lease, take.LeaseID = h.leaseMS, in.leaseID()
+			req.leases++
+		}
+		key := ""
+		if l.scope != 0 {
+			scoped |= l.scope
+			key = in.scopedKey(h, l, id)
+		} else {
+			key = h.keyer.Key(l.dimension, id, l.unit)
+		}
+		req.keys = append(req.keys, key)
+		req.takes = append(req.takes, take)
 		req.limits = append(req.limits, l)
 	}
 	return req

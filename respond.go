@@ -4,6 +4,7 @@ import (
 	"math"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -25,7 +26,14 @@ import (
 // policy lists the buckets for RateLimit-Policy: every applied bucket, also
 // when limits (and d) hold only some of them, as for a cached denial. When
 // it is all of t's limits, t's precomputed header is sent.
+//
+// Shadow limits are left out of every header: the client sees nothing of
+// them. A request on shadow limits alone gets no rate-limit header.
 func (h *Handler) addHeaders(hs *headerSet, b []byte, t *tier, policy, limits []*limit, d *bucket.Decision) []byte {
+	i := constrained(limits, d)
+	if i < 0 {
+		return b
+	}
 	if t.appliesAll(policy) {
 		hs.add("Ratelimit-Policy", t.policy)
 	} else {
@@ -35,7 +43,7 @@ func (h *Handler) addHeaders(hs *headerSet, b []byte, t *tier, policy, limits []
 	first := true
 	for i, l := range limits {
 		r := &d.Buckets[i]
-		if !d.Allowed && r.Reason == bucket.Allowed {
+		if l.shadow || (!d.Allowed && r.Reason == bucket.Allowed) {
 			continue // a denial speaks of the buckets that deny
 		}
 		if !first {
@@ -54,7 +62,6 @@ func (h *Handler) addHeaders(hs *headerSet, b []byte, t *tier, policy, limits []
 	if h.OpenAIHeaders {
 		b = appendOpenAIHeaders(hs, b, limits, d)
 	}
-	i := constrained(limits, d)
 	b = strconv.AppendInt(b, limits[i].spec.Capacity, 10)
 	hs.cut("X-Ratelimit-Limit", b)
 	b = strconv.AppendInt(b, max(0, d.Buckets[i].Remaining), 10)
@@ -110,7 +117,7 @@ func appendOpenAIHeaders(hs *headerSet, b []byte, limits []*limit, d *bucket.Dec
 func mostConstrained(limits []*limit, d *bucket.Decision, tokens bool) int {
 	best, share := -1, 2.0
 	for i, l := range limits {
-		if l.tokens != tokens {
+		if l.tokens != tokens || l.shadow || l.concurrent {
 			continue
 		}
 		b := &d.Buckets[i]
@@ -128,12 +135,18 @@ func mostConstrained(limits []*limit, d *bucket.Decision, tokens bool) int {
 	return best
 }
 
-// appendPolicy appends RateLimit-Policy: one item per applied bucket.
+// appendPolicy appends RateLimit-Policy: one item per applied bucket that
+// is not in shadow.
 func appendPolicy(b []byte, limits []*limit) []byte {
-	for i, l := range limits {
-		if i > 0 {
+	first := true
+	for _, l := range limits {
+		if l.shadow {
+			continue
+		}
+		if !first {
 			b = append(b, ", "...)
 		}
+		first = false
 		b = append(b, l.policy...)
 	}
 	return b
@@ -225,15 +238,19 @@ func resetSeconds(b *bucket.Result) int64 {
 	return (b.FullMS + 999) / 1000
 }
 
-// constrained returns the index of the most constrained bucket: the one
-// that decided a denial, else the one with the smallest share of its
-// capacity left (the first on a tie).
+// constrained returns the index of the most constrained bucket not in
+// shadow: the one that decided a denial, else the one with the smallest
+// share of its capacity left (the first on a tie); -1 when every bucket
+// is in shadow.
 func constrained(limits []*limit, d *bucket.Decision) int {
 	if d.Deciding >= 0 {
 		return d.Deciding
 	}
-	best, share := 0, 2.0
+	best, share := -1, 2.0
 	for i, b := range d.Buckets {
+		if limits[i].shadow {
+			continue
+		}
 		if s := float64(b.Remaining) / float64(limits[i].spec.Capacity); s < share {
 			best, share = i, s
 		}
@@ -243,8 +260,13 @@ func constrained(limits []*limit, d *bucket.Decision) int {
 
 // setPlaceholders sets {http.token_bucket.*} for later handlers and logs.
 func setPlaceholders(repl *caddy.Replacer, limits []*limit, d *bucket.Decision) {
+	if d.ShadowDenied {
+		repl.Set("http.token_bucket.shadow_denied", shadowDenied(limits, d))
+	}
 	i := constrained(limits, d)
-	repl.Set("http.token_bucket.remaining", max(0, d.Buckets[i].Remaining))
+	if i >= 0 {
+		repl.Set("http.token_bucket.remaining", max(0, d.Buckets[i].Remaining))
+	}
 	if d.Allowed {
 		repl.Set("http.token_bucket.decision", "allowed")
 		return
@@ -254,6 +276,21 @@ func setPlaceholders(repl *caddy.Replacer, limits []*limit, d *bucket.Decision) 
 	if d.Reason == bucket.RateLimited {
 		repl.Set("http.token_bucket.retry_after", d.RetryAfterSeconds())
 	}
+}
+
+// shadowDenied returns the names of the shadow limits that would have
+// denied the request (their RateLimit item names), comma-separated.
+func shadowDenied(limits []*limit, d *bucket.Decision) string {
+	var b strings.Builder
+	for i, r := range d.Buckets {
+		if r.Shadow && r.Reason != bucket.Allowed {
+			if b.Len() > 0 {
+				b.WriteByte(',')
+			}
+			b.WriteString(limits[i].name)
+		}
+	}
+	return b.String()
 }
 
 // deny answers a denied request: 429 with Retry-After, retry-after-ms and a

@@ -19,7 +19,7 @@ import (
 // response.
 func TestHeaderValuesOwnedPerResponse(t *testing.T) {
 	tiers, _ := compileTiers([]Dimension{{Name: "user"}, {Name: "ip"}}, []Tier{{Name: "free", Limits: []Limit{
-		{Dimension: "user", Capacity: 10, RefillRate: 1}, {Dimension: "ip", Capacity: 100, RefillRate: 1}}}}, "", 1)
+		{Dimension: "user", Capacity: 10, RefillRate: 1}, {Dimension: "ip", Capacity: 100, RefillRate: 1}}}}, "", 1, false)
 	tr := tiers["free"]
 	limits := []*limit{&tr.limits[0], &tr.limits[1]}
 	req := &request{keys: []string{"a", "b"}, takes: []bucket.Take{{Spec: limits[0].spec, Cost: 1}, {Spec: limits[1].spec, Cost: 1}}, limits: limits}
@@ -66,7 +66,7 @@ func TestHeaderValuesOwnedPerResponse(t *testing.T) {
 func answerTier(t testing.TB, limits ...Limit) (*tier, []*limit) {
 	t.Helper()
 	dims := []Dimension{{Name: "user", Identity: "{u}"}, {Name: "api_key", Identity: "{k}"}}
-	tiers, _ := compileTiers(dims, []Tier{{Name: "free", Limits: limits}}, "", 1)
+	tiers, _ := compileTiers(dims, []Tier{{Name: "free", Limits: limits}}, "", 1, false)
 	tr := tiers["free"]
 	ls := make([]*limit, len(tr.limits))
 	for i := range tr.limits {

@@ -143,12 +143,18 @@ func (rec *usageRecorder) finish(s *Settle) (used int64, status llm.Status, part
 // The settlement runs also when next panics (reverse_proxy aborts a
 // response it cannot finish with http.ErrAbortHandler), then the panic
 // goes on.
+//
+// Concurrency slots the request took are held until next returns (see
+// slots), also when it panics.
 func (h *Handler) serveNext(x *exchange, v *verdict, next caddyhttp.Handler) error {
+	if s := h.holdSlots(v); s != nil {
+		defer s.release()
+	}
 	switch {
 	case h.Settle != nil && v.decided && !v.local && v.req.hasTokens():
 		// With settle.header the body is not read for usage.
 		rec := &usageRecorder{ResponseWriter: x.w, read: h.Settle.Header == "", filterUsage: x.est.streamUsage}
-		defer h.settle(x.r, x.repl, v.req, rec)
+		defer h.settle(x.r, x.repl, v.req, &v.d, rec)
 		return next.ServeHTTP(rec, x.r)
 	case x.est.streamUsage:
 		rec := &usageRecorder{ResponseWriter: x.w, filterUsage: true}
@@ -160,7 +166,7 @@ func (h *Handler) serveNext(x *exchange, v *verdict, next caddyhttp.Handler) err
 
 // settle charges or gives back the difference between the request's
 // estimate and the usage its response reports, after the response.
-func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, req *request, rec *usageRecorder) {
+func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, req *request, d *bucket.Decision, rec *usageRecorder) {
 	used, status, partial := rec.finish(h.Settle)
 	if status != llm.Found {
 		countSettlement(status.String())
@@ -170,7 +176,7 @@ func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, req *request, re
 		}
 		return // no usage to settle with: the estimate stands
 	}
-	keys, adj := req.adjustments(used, partial)
+	keys, adj := req.adjustments(d, used, partial)
 	repl.Set("http.token_bucket.tokens_used", used)
 	if len(keys) == 0 {
 		countSettlement(settledOutcome)
@@ -192,13 +198,15 @@ func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, req *request, re
 	}
 }
 
-// adjustments returns the settlement of req when its response reports
-// used tokens: for each tokens bucket whose charge differs, the difference.
-// used ≥ 0, so a bucket is never given back more than it was charged;
-// partial usage (a floor) is never given back at all.
-func (req *request) adjustments(used int64, partial bool) (keys []string, adj []bucket.Adjust) {
+// adjustments returns the settlement of req, decided as d, when its
+// response reports used tokens: for each tokens bucket whose charge
+// differs, the difference. used ≥ 0, so a bucket is never given back more
+// than it was charged; partial usage (a floor) is never given back at all.
+// A shadow bucket that would have denied was not charged, and is not
+// settled.
+func (req *request) adjustments(d *bucket.Decision, used int64, partial bool) (keys []string, adj []bucket.Adjust) {
 	for i, l := range req.limits {
-		if !l.tokens {
+		if !l.tokens || d.Buckets[i].Reason != bucket.Allowed {
 			continue
 		}
 		delta := used - req.takes[i].Cost

@@ -3,6 +3,7 @@ package tokenbucket
 import (
 	"math"
 	"strconv"
+	"strings"
 
 	"github.com/caddyserver/caddy/v2"
 
@@ -19,20 +20,26 @@ type tier struct {
 
 // limit is a Limit compiled for the request path.
 type limit struct {
-	dim       int // index into Handler.Dimensions
-	dimension string
-	unit      string // key suffix: "" for requests, "tokens" for tokens
-	tokens    bool   // costs the request's cost rather than 1
-	spec      bucket.Spec
-	local     bucket.Spec // spec scaled by local_share, for on_redis_error local
-	name      string      // header item name: the dimension, "-tokens" appended for tokens
-	policy    string      // the RateLimit-Policy item, e.g. "user";q=10;w=60
-	dimValue  any         // dimension boxed once, for the dimension placeholder
+	dim        int // index into Handler.Dimensions
+	dimension  string
+	unit       string // key suffix: "" for requests, "tokens" or "concurrent"
+	tokens     bool   // costs the request's cost rather than 1
+	concurrent bool   // a concurrency limit: slots leased while in flight
+	shadow     bool   // decided and charged, never enforced
+	models     []string
+	scope      uint64  // scoped by models: the bit of its dimension and unit
+	keyScope   string  // scoped by models: the key suffix before the model's hash
+	rate       float64 // the configured refill_rate, tokens per second
+	spec       bucket.Spec
+	local      bucket.Spec // spec scaled by local_share, for on_redis_error local
+	name       string      // header item name: the dimension, "-tokens" or "-concurrent" appended, "@" and the globs for a scoped limit
+	policy     string      // the RateLimit-Policy item, e.g. "user";q=10;w=60
+	dimValue   any         // dimension boxed once, for the dimension placeholder
 }
 
 // compileTiers turns validated tiers into their request-path form and
 // returns them by name with the default tier.
-func compileTiers(dims []Dimension, tiers []Tier, defaultTier string, share float64) (map[string]*tier, *tier) {
+func compileTiers(dims []Dimension, tiers []Tier, defaultTier string, share float64, shadow bool) (map[string]*tier, *tier) {
 	index := make(map[string]int, len(dims))
 	for i, d := range dims {
 		index[d.Name] = i
@@ -40,14 +47,36 @@ func compileTiers(dims []Dimension, tiers []Tier, defaultTier string, share floa
 	byName := make(map[string]*tier, len(tiers))
 	for _, t := range tiers {
 		ct := &tier{name: t.Name, nameValue: t.Name}
+		scopes := map[string]uint64{} // a bit per dimension and unit with scoped limits
 		for _, l := range t.Limits {
 			spec, _ := l.spec() // validated
-			cl := limit{dim: index[l.Dimension], dimension: l.Dimension, dimValue: l.Dimension, spec: spec, name: l.Dimension}
-			if l.unit() == UnitTokens {
+			cl := limit{dim: index[l.Dimension], dimension: l.Dimension, dimValue: l.Dimension, spec: spec, name: l.Dimension,
+				rate: l.RefillRate, shadow: shadow || l.Shadow}
+			switch l.unit() {
+			case UnitTokens:
 				cl.unit, cl.tokens, cl.name = UnitTokens, true, l.Dimension+"-tokens"
+			case UnitConcurrent:
+				cl.unit, cl.concurrent, cl.name = UnitConcurrent, true, l.Dimension+"-concurrent"
 			}
-			cl.policy = policyItem(cl.name, l.Capacity, l.RefillRate)
-			cl.local = localSpec(l, spec, share)
+			if len(l.Models) > 0 {
+				group := l.Dimension + " " + l.unit()
+				if scopes[group] == 0 {
+					scopes[group] = 1 << (len(scopes) % 64)
+				}
+				cl.models, cl.scope = l.Models, scopes[group]
+				cl.keyScope = "m:"
+				if cl.unit != "" {
+					cl.keyScope = cl.unit + ":m:"
+				}
+				cl.name += "@" + strings.Join(l.Models, "|")
+			}
+			if cl.concurrent {
+				cl.policy = `"` + cl.name + `";q=` + strconv.FormatInt(sfInteger(l.Capacity), 10) + `;qu="concurrent-requests"`
+				cl.local = bucket.ConcurrencySpec(localCapacity(l.Capacity, share))
+			} else {
+				cl.policy = policyItem(cl.name, l.Capacity, l.RefillRate)
+				cl.local = localSpec(l, spec, share)
+			}
 			ct.limits = append(ct.limits, cl)
 		}
 		all := make([]*limit, len(ct.limits))
@@ -75,11 +104,58 @@ func localSpec(l Limit, spec bucket.Spec, share float64) bucket.Spec {
 	if err != nil {
 		return spec
 	}
-	s, err := bucket.Limit{Capacity: max(1, int64(float64(l.Capacity)*share)), Rate: rate}.Spec()
+	s, err := bucket.Limit{Capacity: localCapacity(l.Capacity, share), Rate: rate}.Spec()
 	if err != nil {
 		return spec
 	}
 	return s
+}
+
+// localCapacity is a capacity scaled by local_share: ⌊capacity·share⌋, at
+// least 1.
+func localCapacity(capacity int64, share float64) int64 {
+	if share <= 0 || share >= 1 {
+		return capacity
+	}
+	return max(1, int64(float64(capacity)*share))
+}
+
+// matches reports whether model matches one of the limit's model globs.
+func (l *limit) matches(model string) bool {
+	for _, g := range l.models {
+		if globMatch(g, model) {
+			return true
+		}
+	}
+	return false
+}
+
+// globMatch reports whether s matches pattern, in which '*' matches any
+// run of bytes (none included) and every other byte itself. It is linear
+// in len(s) times the number of stars: a star's match is extended only
+// when what follows it fails.
+func globMatch(pattern, s string) bool {
+	p, i := 0, 0
+	star, mark := -1, 0 // the last star's position in pattern, and where in s its run ends
+	for i < len(s) {
+		switch {
+		case p < len(pattern) && pattern[p] == '*':
+			star, mark = p, i
+			p++
+		case p < len(pattern) && pattern[p] == s[i]:
+			p++
+			i++
+		case star >= 0:
+			mark++
+			p, i = star+1, mark
+		default:
+			return false
+		}
+	}
+	for p < len(pattern) && pattern[p] == '*' {
+		p++
+	}
+	return p == len(pattern)
 }
 
 // policyItem formats a RateLimit-Policy item (draft-ietf-httpapi-ratelimit-

@@ -111,7 +111,7 @@ func TestInputsResolveOnce(t *testing.T) {
 	tiers, _ := compileTiers(dims, []Tier{
 		{Name: "own", Limits: []Limit{{Dimension: "user", Capacity: 10, RefillRate: 1}}},
 		{Name: "penalty", Limits: []Limit{{Dimension: "user", Capacity: 100000, RefillRate: 1, Unit: UnitTokens}}},
-	}, "", 1)
+	}, "", 1, false)
 	h := &Handler{Dimensions: dims, Estimate: &Estimate{}, keyer: bucket.NewKeyer("rl:", ""),
 		IPv4Prefix: 32, IPv6Prefix: 64, idKeys: []string{"http.request.header.X-User"}}
 	if err := h.Estimate.provision(); err != nil {

@@ -1,0 +1,129 @@
+package tokenbucket
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/token-bucket/token_bucket/bucket"
+)
+
+// slots are the concurrency slots (limits of unit "concurrent") that an
+// allowed request holds while the next handler writes its response: taken
+// by the decision, in the same script call as its buckets; renewed every
+// half lease while the response goes on, so that a stream of any length
+// keeps them; released once when the response ends, however it ends (the
+// stream's last byte, the client gone, an upstream error, a panic in
+// next). A release that fails leaves them to lapse with their lease.
+type slots struct {
+	h      *Handler
+	keys   []string
+	takes  []bucket.Take // with the local specs when local
+	limits []*limit
+	id     string // the lease id
+	local  bool   // taken from the in-process store (on_redis_error local)
+
+	mu       sync.Mutex
+	timer    *time.Timer // the next renewal; nil when local
+	released bool
+}
+
+// holdSlots returns the concurrency slots the verdict took, nil when it
+// took none: a denial takes none, nor does a shadow limit that was full.
+func (h *Handler) holdSlots(v *verdict) *slots {
+	req := v.req
+	if !v.decided || !v.d.Allowed || req.leases == 0 {
+		return nil
+	}
+	s := &slots{h: h, local: v.local}
+	for i, l := range req.limits {
+		if !l.concurrent || v.d.Buckets[i].Reason != bucket.Allowed {
+			continue
+		}
+		t := req.takes[i]
+		if v.local {
+			t.Spec = l.local
+		}
+		s.keys, s.takes, s.limits, s.id = append(s.keys, req.keys[i]), append(s.takes, t), append(s.limits, l), t.LeaseID
+		if lm := h.metrics.limit(l); lm.inUse != nil {
+			lm.inUse.Inc()
+		}
+	}
+	if len(s.keys) == 0 {
+		return nil
+	}
+	if !s.local {
+		s.timer = time.AfterFunc(h.renewEvery(), s.renew)
+	}
+	return s
+}
+
+// renewEvery is the time between renewals of a lease: half of it, so that
+// one renewal may fail or come late without the lease lapsing.
+func (h *Handler) renewEvery() time.Duration { return time.Duration(h.ConcurrencyLease) / 2 }
+
+// renew extends the lease and arms the next renewal, unless the slots were
+// released meanwhile.
+func (s *slots) renew() {
+	h := s.h
+	var held int64
+	err := h.conn.call(context.Background(), h.conn.timeout, func(ctx context.Context) error {
+		var err error
+		held, err = h.conn.store.(leaser).Renew(ctx, s.keys, s.id, h.leaseMS)
+		return err
+	})
+	switch {
+	case err != nil:
+		h.logger.Warn("renewing concurrency slots failed; they lapse unless a later renewal succeeds",
+			zap.Duration("concurrency_lease", time.Duration(h.ConcurrencyLease)), zap.Error(err))
+	case held < int64(len(s.keys)):
+		h.logger.Warn("a concurrency slot lapsed while its response was still being written",
+			zap.Int64("held", held), zap.Int("slots", len(s.keys)))
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.released {
+		s.timer.Reset(h.renewEvery())
+	}
+}
+
+// release gives the slots back, once.
+func (s *slots) release() {
+	s.mu.Lock()
+	if s.released {
+		s.mu.Unlock()
+		return
+	}
+	s.released = true
+	if s.timer != nil {
+		s.timer.Stop()
+	}
+	s.mu.Unlock()
+	h := s.h
+	for _, l := range s.limits {
+		if lm := h.metrics.limit(l); lm.inUse != nil {
+			lm.inUse.Dec()
+		}
+	}
+	if s.local {
+		h.local.Release(s.keys, s.takes)
+		return
+	}
+	err := h.conn.call(context.Background(), h.conn.timeout, func(ctx context.Context) error {
+		_, err := h.conn.store.(leaser).Release(ctx, s.keys, s.id)
+		return err
+	})
+	if err != nil {
+		h.logger.Warn("releasing concurrency slots failed; they lapse with their lease",
+			zap.Duration("concurrency_lease", time.Duration(h.ConcurrencyLease)), zap.Error(err))
+	}
+}
+
+// leaser is a store that holds concurrency leases: bucket.Redis and
+// bucket.Sharded.
+type leaser interface {
+	Renew(ctx context.Context, keys []string, id string, lease int64) (int64, error)
+	Release(ctx context.Context, keys []string, id string) (int64, error)
+}
