@@ -299,7 +299,7 @@ func TestAdminBucketErrors(t *testing.T) {
 		{"reset of an unknown tier", "DELETE", bucketQuery("tier", "gold", "dimension", "user", "identity", secret), "",
 			404, `tier "gold": handler 0 has no such tier`},
 		{"bad unit", "GET", bucketQuery("dimension", "user", "unit", "bytes", "identity", secret), "",
-			400, `unit "bytes": must be requests or tokens`},
+			400, `unit "bytes": must be requests, tokens or concurrent`},
 		{"no dimension", "GET", bucketQuery("identity", secret), "",
 			400, `dimension: required`},
 		{"no identity", "GET", bucketQuery("dimension", "user"), "",
