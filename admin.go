@@ -176,7 +176,11 @@ type bucketParams struct {
 	Unit      string `json:"unit,omitempty"`
 	// Model picks a limit scoped by models: the first whose globs match
 	// it, and its bucket for this model. Without it, the unscoped limit.
-	Model    string `json:"model,omitempty"`
+	Model string `json:"model,omitempty"`
+	// Shadow picks the limit in shadow (its own bucket) rather than the
+	// enforced one of the same dimension and unit; implied when the
+	// handler puts every limit in shadow.
+	Shadow   bool   `json:"shadow,omitempty"`
 	Identity string `json:"identity,omitempty"`
 	ID       string `json:"id,omitempty"`
 }
@@ -303,6 +307,13 @@ func readBucketParams(r *http.Request) (bucketParams, error) {
 	}
 	p.Tier, p.Dimension, p.Unit, p.Model = q.Get("tier"), q.Get("dimension"), q.Get("unit"), q.Get("model")
 	p.Identity, p.ID = q.Get("identity"), q.Get("id")
+	switch v := q.Get("shadow"); v {
+	case "", "false":
+	case "true":
+		p.Shadow = true
+	default:
+		return p, apiError(http.StatusBadRequest, fmt.Sprintf("shadow %q: must be true or false", v))
+	}
 	return p, nil
 }
 
@@ -345,7 +356,7 @@ func resolveBucket(p bucketParams) (*bucketTarget, error) {
 	}
 	for i := range bt.tier.limits {
 		l := &bt.tier.limits[i]
-		if l.dimension != p.Dimension || unitName(l) != unit {
+		if l.dimension != p.Dimension || unitName(l) != unit || l.shadow != (p.Shadow || h.Shadow) {
 			continue
 		}
 		if p.Model == "" && l.scope == 0 || p.Model != "" && l.scope != 0 && l.matches(p.Model) {
@@ -391,7 +402,7 @@ func (bt *bucketTarget) keyOf(identity string) string {
 	if l.scope != 0 {
 		return k.Key(l.dimension, identity, l.keyScope+k.ID(bt.model))
 	}
-	return k.Key(l.dimension, identity, l.unit)
+	return k.Key(l.dimension, identity, l.keyUnit)
 }
 
 func notBase64URL(r rune) bool {

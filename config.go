@@ -295,6 +295,7 @@ func (t Tier) validate(i int, dims map[string]bool) error {
 		return fmt.Errorf("tiers[%d].limits: tier %q has no limits", i, t.Name)
 	}
 	seen := make(map[string]bool, len(t.Limits))
+	scoped := map[string]bool{}
 	for j, l := range t.Limits {
 		field := fmt.Sprintf("tiers[%d].limits[%d]", i, j)
 		if !dims[l.Dimension] {
@@ -304,11 +305,19 @@ func (t Tier) validate(i int, dims map[string]bool) error {
 			return fmt.Errorf("%s: tier %q, dimension %q: %v", field, t.Name, l.Dimension, err)
 		}
 		unit := l.unit()
+		if l.Shadow {
+			unit += " shadow" // its own bucket, beside an enforced one
+		}
 		if len(l.Models) == 0 {
 			if seen[l.Dimension+" "+unit] {
 				return fmt.Errorf("%s: tier %q has two %s limits on dimension %q", field, t.Name, unit, l.Dimension)
 			}
 			seen[l.Dimension+" "+unit] = true
+		}
+		if len(l.Models) > 0 {
+			if scoped[l.Dimension+" "+unit] = true; len(scoped) > maxScopes {
+				return fmt.Errorf("%s.models: tier %q scopes limits of more than %d dimension and unit pairs by models", field, t.Name, maxScopes)
+			}
 		}
 		for k, g := range l.Models {
 			if !modelGlobRE.MatchString(g) {
@@ -322,6 +331,10 @@ func (t Tier) validate(i int, dims map[string]bool) error {
 	}
 	return nil
 }
+
+// maxScopes bounds the dimension and unit pairs of a tier whose limits are
+// scoped by models: bucketsOf marks the pairs already matched in a uint64.
+const maxScopes = 64
 
 // modelGlobRE is what a models glob may hold.
 var modelGlobRE = regexp.MustCompile(`^[A-Za-z0-9._:/@+*-]{1,128}$`)

@@ -584,7 +584,10 @@ func TestDashboardQueriesExistingMetrics(t *testing.T) {
 		}
 	}
 
-	startGateway(t, metricsSite(uniqueTier("dash_free"), uniqueTier("dash_pro"), 0))
+	// A concurrency and a shadow limit, so that their metrics have series.
+	site := strings.Replace(metricsSite(uniqueTier("dash_free"), uniqueTier("dash_pro"), 0),
+		"user 100 1/1h", "user 100 1/1h\n\t\t\tuser 5 concurrent\n\t\t\tuser 50 1/1h shadow", 1)
+	startGateway(t, site)
 	m := scrape(t)
 	names := map[string]bool{}
 	for s := range m {

@@ -216,7 +216,7 @@ func (h *Handler) bucketsOf(in *inputs, t *tier) *request {
 			scoped |= l.scope
 			key = in.scopedKey(h, l, id)
 		} else {
-			key = h.keyer.Key(l.dimension, id, l.unit)
+			key = h.keyer.Key(l.dimension, id, l.keyUnit)
 		}
 		req.keys = append(req.keys, key)
 		req.takes = append(req.takes, take)

@@ -22,7 +22,8 @@ type tier struct {
 type limit struct {
 	dim        int // index into Handler.Dimensions
 	dimension  string
-	unit       string // key suffix: "" for requests, "tokens" or "concurrent"
+	unit       string // "" for requests, "tokens" or "concurrent"
+	keyUnit    string // key suffix: unit, then ":shadow" for a shadow limit (its own bucket)
 	tokens     bool   // costs the request's cost rather than 1
 	concurrent bool   // a concurrency limit: slots leased while in flight
 	shadow     bool   // decided and charged, never enforced
@@ -58,16 +59,17 @@ func compileTiers(dims []Dimension, tiers []Tier, defaultTier string, share floa
 			case UnitConcurrent:
 				cl.unit, cl.concurrent, cl.name = UnitConcurrent, true, l.Dimension+"-concurrent"
 			}
+			cl.keyUnit = cl.unit
+			if cl.shadow {
+				cl.keyUnit = strings.TrimPrefix(cl.unit+":shadow", ":")
+			}
 			if len(l.Models) > 0 {
-				group := l.Dimension + " " + l.unit()
+				group := l.Dimension + " " + l.unit() + " " + strconv.FormatBool(cl.shadow)
 				if scopes[group] == 0 {
-					scopes[group] = 1 << (len(scopes) % 64)
+					scopes[group] = 1 << len(scopes) // at most maxScopes, validated
 				}
 				cl.models, cl.scope = l.Models, scopes[group]
-				cl.keyScope = "m:"
-				if cl.unit != "" {
-					cl.keyScope = cl.unit + ":m:"
-				}
+				cl.keyScope = strings.TrimPrefix(cl.keyUnit+":m:", ":")
 				cl.name += "@" + strings.Join(l.Models, "|")
 			}
 			if cl.concurrent {
