@@ -38,6 +38,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -136,7 +137,13 @@ type path struct {
 	keys    [][]string
 	takes   []bucket.Take // per bucket, shared by every client
 	allowed bool
+	evals   int // calls of command per call of the path (0: 1)
 	call    func(ctx context.Context, client int) error
+}
+
+// leased reports whether the path takes a concurrency slot.
+func (p *path) leased() bool {
+	return slices.ContainsFunc(p.takes, func(t bucket.Take) bool { return t.Lease > 0 })
 }
 
 // newPaths builds the paths, each client with its own identity, and primes
@@ -147,7 +154,7 @@ func newPaths(ctx context.Context, c *redis.Client, clients int) []*path {
 	roomy, tight := spec(1_000_000, "1/s"), spec(1, "1/1h")
 	keyer := bucket.NewKeyer("scriptstats:", "")
 	store := bucket.Redis{Client: c}
-	decision := func(name string, n int, deny bool, target float64) *path {
+	decision := func(name string, n int, deny bool, target float64, edit ...func(*path)) *path {
 		p := &path{name: name, command: "evalsha", target: target, allowed: !deny}
 		for i := range n {
 			t := bucket.Take{Spec: roomy, Cost: 1}
@@ -156,11 +163,18 @@ func newPaths(ctx context.Context, c *redis.Client, clients int) []*path {
 			}
 			p.takes = append(p.takes, t)
 		}
+		for _, e := range edit {
+			e(p)
+		}
 		for cl := range clients {
 			var keys []string
-			for i, dim := range []string{"api_key", "user", "ip"}[:n] {
+			for i, dim := range []string{"api_key", "user", "ip", "model"}[:n] {
 				k := keyer.Key(dim, name+"-"+strconv.Itoa(cl), "")
 				prime := bucket.Take{Spec: p.takes[i].Spec, Cost: min(p.takes[i].Spec.Capacity, 10_000)}
+				if p.takes[i].Lease > 0 {
+					keys = append(keys, k+":concurrent") // starts empty, as a key with no request in flight
+					continue
+				}
 				if _, err := store.Take(ctx, []string{k}, []bucket.Take{prime}); err != nil {
 					fail("priming %s: %v", k, err)
 				}
@@ -175,7 +189,32 @@ func newPaths(ctx context.Context, c *redis.Client, clients int) []*path {
 			}
 			return err
 		}
+		if p.leased() {
+			// A request that holds a slot: the decision that takes it
+			// and the release after the response, two calls.
+			p.evals = 2
+			var seq atomic.Int64
+			p.call = func(ctx context.Context, cl int) error {
+				takes := slices.Clone(p.takes)
+				id := strconv.FormatInt(seq.Add(1), 36)
+				for i := range takes {
+					takes[i].LeaseID = id
+				}
+				d, err := store.Take(ctx, p.keys[cl], takes)
+				if err == nil && !d.Allowed {
+					err = fmt.Errorf("%s: denied", p.name)
+				}
+				if err == nil {
+					_, err = store.Release(ctx, p.keys[cl][len(takes)-1:], id)
+				}
+				return err
+			}
+		}
 		return p
+	}
+	shadow := func(p *path) { p.takes[len(p.takes)-1].Shadow = true }
+	concurrent := func(p *path) {
+		p.takes[len(p.takes)-1] = bucket.Take{Spec: bucket.ConcurrencySpec(1_000_000), Cost: 1, Lease: 600_000}
 	}
 	for _, s := range []*redis.Script{noop, readFloor, writeFloor} {
 		if err := s.Load(ctx, c).Err(); err != nil {
@@ -205,6 +244,9 @@ func newPaths(ctx context.Context, c *redis.Client, clients int) []*path {
 		floor("TIME+GET+SET script (floor of a 1-bucket allow)", writeFloor),
 		decision("allow, 1 bucket", 1, false, targetAllow1),
 		decision("allow, 3 buckets", 3, false, targetAllow3),
+		decision("allow, 3 buckets, 1 of them in shadow", 3, false, targetAllow3, shadow),
+		decision("allow, 3 buckets + 1 per model", 4, false, 0),
+		decision("allow, 3 buckets + a concurrency slot, taken and released", 4, false, 0, concurrent),
 		decision("deny, 1 bucket", 1, true, targetDeny),
 		decision("deny, 3 buckets", 3, true, targetDeny),
 	}
@@ -300,12 +342,14 @@ func resetStats(ctx context.Context, c *redis.Client) {
 	}
 }
 
+// callsOf returns the path's calls (requests) that INFO counts: its
+// command's calls over the commands each makes.
 func callsOf(in info, p *path) float64 {
 	n := in.calls[p.command]
 	if n == 0 {
 		fail("INFO commandstats has no calls of %s", p.command)
 	}
-	return n
+	return n / float64(max(1, p.evals))
 }
 
 // run makes calls calls of p from clients goroutines and returns the time
@@ -399,7 +443,7 @@ type latency struct {
 func latencies(ctx context.Context, c *redis.Client, paths []*path, samples int) []latency {
 	var decisions []*path
 	for _, p := range paths {
-		if p.keys != nil {
+		if p.keys != nil && !p.leased() { // one round trip each
 			decisions = append(decisions, p)
 		}
 	}
