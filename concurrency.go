@@ -64,9 +64,16 @@ func (h *Handler) holdSlots(v *verdict) *slots {
 // one renewal may fail or come late without the lease lapsing.
 func (h *Handler) renewEvery() time.Duration { return time.Duration(h.ConcurrencyLease) / 2 }
 
-// renew extends the lease and arms the next renewal, unless the slots were
-// released meanwhile.
+// renew extends the lease and arms the next renewal, unless the slots
+// were released meanwhile. It holds s.mu throughout, so that release waits
+// for a renewal under way rather than letting it run after the request is
+// done.
 func (s *slots) renew() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.released {
+		return
+	}
 	h := s.h
 	var held int64
 	err := h.conn.call(context.Background(), h.conn.timeout, func(ctx context.Context) error {
@@ -82,11 +89,7 @@ func (s *slots) renew() {
 		h.logger.Warn("a concurrency slot lapsed while its response was still being written",
 			zap.Int64("held", held), zap.Int("slots", len(s.keys)))
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if !s.released {
-		s.timer.Reset(h.renewEvery())
-	}
+	s.timer.Reset(h.renewEvery())
 }
 
 // release gives the slots back, once.
