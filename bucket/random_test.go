@@ -34,8 +34,10 @@ func randomSpec(t *testing.T, r *rand.Rand) Spec {
 // TestLuaMatchesModel drives the Lua script in a real Redis and the Go model
 // through the same random steps (several buckets, random costs including
 // peeks and costs above capacity, random clock steps including a clock that
-// moves backwards, and limits that change under existing state) and
-// requires the same decision and the same stored state at every step.
+// moves backwards, limits that change under existing state, and takes that
+// are at random shadow limits) and requires the same decision (ShadowDenied
+// and each result's Shadow included) and the same stored state of every
+// key, charged or not, at every step.
 func TestLuaMatchesModel(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
@@ -53,6 +55,7 @@ func TestLuaMatchesModel(t *testing.T) {
 	}
 	now := baseTime
 	allowed, denied := 0, 0
+	shadowDeniedAllowed, shadowCharged := 0, 0
 	for step := 0; step < steps; step++ {
 		switch x := r.IntN(100); {
 		case x < 40: // same microsecond: bursts
@@ -79,7 +82,8 @@ func TestLuaMatchesModel(t *testing.T) {
 				cost = r.Int64N(specs[i].Capacity + 2)
 			}
 			ks = append(ks, keys[i])
-			takes = append(takes, Take{Spec: specs[i], Cost: cost})
+			// A quarter of the takes are shadow limits.
+			takes = append(takes, Take{Spec: specs[i], Cost: cost, Shadow: r.IntN(4) == 0})
 		}
 
 		got, vals, pttls, err := stepAt(ctx, rdb, now, ks, takes)
@@ -109,8 +113,29 @@ func TestLuaMatchesModel(t *testing.T) {
 		} else {
 			denied++
 		}
+		for j, res := range want.Buckets {
+			if !takes[j].Shadow {
+				continue
+			}
+			switch {
+			case res.Reason != Allowed && want.Allowed:
+				shadowDeniedAllowed++
+			case res.Reason == Allowed && want.Allowed && charged[j]:
+				shadowCharged++
+			}
+		}
 		for j, k := range ks {
 			if !charged[j] {
+				// Not charged: the key holds what it held (a shadow bucket
+				// that denied an allowed request is not charged).
+				wantVal := ""
+				if st, ok := model[k]; ok {
+					wantVal = EncodeState(st)
+				}
+				if vals[j] != wantVal {
+					got, _ := DecodeState(vals[j])
+					t.Fatalf("step %d: %s uncharged (shadow %v) but holds %+v, model %+v", step, k, takes[j].Shadow, got, model[k])
+				}
 				continue
 			}
 			st := model[k]
@@ -126,7 +151,13 @@ func TestLuaMatchesModel(t *testing.T) {
 	if allowed < steps/5 || denied < steps/5 {
 		t.Fatalf("%d allowed, %d denied: the random steps do not exercise both outcomes", allowed, denied)
 	}
-	t.Logf("%d steps: %d allowed, %d denied", steps, allowed, denied)
+	// So must the shadow limits: denying an allowed request, and charged.
+	if shadowDeniedAllowed < steps/20 || shadowCharged < steps/20 {
+		t.Fatalf("%d shadow denials of allowed requests, %d shadow charges: the random steps do not exercise shadow limits",
+			shadowDeniedAllowed, shadowCharged)
+	}
+	t.Logf("%d steps: %d allowed, %d denied; shadow: %d denied an allowed request, %d charged",
+		steps, allowed, denied, shadowDeniedAllowed, shadowCharged)
 }
 
 func TestParseRate(t *testing.T) {

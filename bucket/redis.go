@@ -28,8 +28,8 @@ type Redis struct {
 // charges them all if every one allows it. It is one round trip; NOSCRIPT is
 // recovered by go-redis with one EVAL.
 func (s Redis) Take(ctx context.Context, keys []string, takes []Take) (Decision, error) {
-	if len(keys) != len(takes) {
-		return Decision{}, fmt.Errorf("%d keys for %d buckets", len(keys), len(takes))
+	if err := checkTakes(keys, takes); err != nil {
+		return Decision{}, err
 	}
 	args := appendArgs(make([]any, 0, len(takes)), takes)
 	script := s.Script
@@ -41,6 +41,20 @@ func (s Redis) Take(ctx context.Context, keys []string, takes []Take) (Decision,
 		return Decision{}, fmt.Errorf("running token bucket script: %w", err)
 	}
 	return ParseReply(vals, takes)
+}
+
+// checkTakes checks that keys and takes pair up, and that a concurrency
+// take that takes a slot names its lease.
+func checkTakes(keys []string, takes []Take) error {
+	if len(keys) != len(takes) {
+		return fmt.Errorf("%d keys for %d buckets", len(keys), len(takes))
+	}
+	for _, t := range takes {
+		if t.Lease > 0 && t.Cost > 0 && t.LeaseID == "" {
+			return errors.New("a concurrency take without a lease id")
+		}
+	}
+	return nil
 }
 
 // appendArgs appends the script's ARGV for takes: per bucket, capacity,

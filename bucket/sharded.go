@@ -36,8 +36,8 @@ type Sharded struct {
 
 // Take decides a request like Redis.Take across slots.
 func (s Sharded) Take(ctx context.Context, keys []string, takes []Take) (Decision, error) {
-	if len(keys) != len(takes) {
-		return Decision{}, fmt.Errorf("%d keys for %d buckets", len(keys), len(takes))
+	if err := checkTakes(keys, takes); err != nil {
+		return Decision{}, err
 	}
 	groups := groupByTag(keys)
 	if len(groups) == 1 {
@@ -82,10 +82,20 @@ func (s Sharded) refund(ctx context.Context, groups [][]int, parts []Decision,
 		if !parts[g].Allowed {
 			continue
 		}
+		var ks []string
+		var ts []Take
 		for j, i := range idx {
+			// Only a bucket that allowed was charged: a shadow bucket that
+			// denied in an allowed group was not, and gets nothing back.
+			if gtakes[g][j].Cost == 0 || parts[g].Buckets[j].Reason != Allowed {
+				continue
+			}
 			d.Buckets[i].Remaining += gtakes[g][j].Cost
+			ks, ts = append(ks, gkeys[g][j]), append(ts, gtakes[g][j])
 		}
-		rkeys, rtakes = append(rkeys, gkeys[g]), append(rtakes, gtakes[g])
+		if len(ks) > 0 {
+			rkeys, rtakes = append(rkeys, ks), append(rtakes, ts)
+		}
 	}
 	if len(rkeys) == 0 {
 		return nil

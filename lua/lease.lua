@@ -18,9 +18,14 @@ local ms = floor(now / 1000)
 local held = 0
 for i = 1, #KEYS do
   local key = KEYS[i]
+  -- A lease past its expiry is gone, though a take has not yet swept it
+  -- out of the set: it is neither renewed nor counted as released.
+  local score = call('ZSCORE', key, id)
+  local live = score and tonumber(score) > ms
   if span == 0 then
-    held = held + call('ZREM', key, id)
-  elseif call('ZSCORE', key, id) then
+    call('ZREM', key, id)
+    if live then held = held + 1 end
+  elseif live then
     call('ZADD', key, 'XX', ms + span, id)
     if call('PTTL', key) < span then call('PEXPIRE', key, span) end
     held = held + 1
