@@ -119,7 +119,29 @@ type Take struct {
 	// LeaseID names the request's lease, the same in every concurrency
 	// take of one request.
 	LeaseID string
+	// Window, when set, makes the take a calendar quota: Spec.Capacity
+	// tokens (scale 1, no refill) per window, in the window of these that
+	// holds the store's clock (see Windows).
+	Window *Windows
+	// MaxWaitMS > 0 lets a token bucket (not a shadow one, a quota or a
+	// concurrency limit) allow a cost that it holds only after a wait of at
+	// most this many milliseconds: a reservation. It is charged at once,
+	// going below zero by at most what refills in MaxWaitMS, and its
+	// Result is Allowed with the wait in RetryAfterMS (Decision.WaitMS).
+	MaxWaitMS int64
 }
+
+// reserves reports whether a bucket of t that denies with wait (ms) makes
+// a reservation instead. The script and the model decide it alike: a
+// deficit d units is reservable when d ≤ MaxWaitMS·1000·refill, that is
+// exactly when ⌈d / (1000·refill)⌉ ≤ MaxWaitMS.
+func (t Take) reserves(wait int64) bool {
+	return t.MaxWaitMS > 0 && t.Lease == 0 && t.Window == nil && wait <= t.MaxWaitMS
+}
+
+// QuotaSpec is the Spec of a calendar quota of n tokens: scale 1, no
+// refill.
+func QuotaSpec(n int64) Spec { return Spec{Capacity: n, Scale: 1} }
 
 // ConcurrencySpec is the Spec of a concurrency limit of n slots: scale 1,
 // no refill.
@@ -144,7 +166,8 @@ type Result struct {
 	// Reason is Allowed when this bucket alone would allow the request.
 	Reason Reason
 	// RetryAfterMS is the wait in milliseconds, rounded up, when Reason is
-	// RateLimited; 0 otherwise.
+	// RateLimited; for an Allowed bucket, the wait of its reservation (0:
+	// none).
 	RetryAfterMS int64
 	// FullMS is the time until this bucket is full again, in milliseconds
 	// rounded up; when the bucket was charged it is the key's TTL. 0 for a
@@ -170,6 +193,9 @@ type Decision struct {
 	// ShadowDenied is set when a shadow bucket would have denied the
 	// request (its Result has a Reason other than Allowed).
 	ShadowDenied bool
+	// WaitMS is, for an allowed request, the longest wait of its
+	// reservations: the request may go on after it. 0 when none.
+	WaitMS int64
 }
 
 // RetryAfterSeconds returns the Retry-After header value: the wait rounded
@@ -189,9 +215,20 @@ func Decide(now int64, takes []Take, states []State, charged []bool) Decision {
 	d := Decision{Allowed: true, Deciding: -1, Buckets: make([]Result, len(takes))}
 	for i, t := range takes {
 		var units int64
-		if t.Lease > 0 {
+		switch {
+		case t.Lease > 0:
 			units = min(states[i].Units, t.Spec.Capacity) // free slots: no refill
-		} else {
+		case t.Window != nil:
+			// What is left in the window that holds now; a state of
+			// another window is an unused quota. Last becomes the
+			// window's end.
+			start, end := t.Window.At(now)
+			units = t.Spec.Capacity
+			if states[i].Last == start {
+				units -= states[i].Units
+			}
+			states[i].Last = end
+		default:
 			units = refill(now, t.Spec, states[i])
 		}
 		states[i].Units, states[i].Scale = units, t.Spec.Scale
@@ -202,24 +239,41 @@ func Decide(now int64, takes []Take, states []State, charged []bool) Decision {
 			r.Reason = CostExceedsCapacity
 		case cost > units && t.Lease > 0:
 			r.Reason, r.RetryAfterMS = RateLimited, ConcurrencyRetryMS
+		case cost > units && t.Window != nil:
+			r.Reason, r.RetryAfterMS = RateLimited, max(1, ceilDiv(states[i].Last-now, 1000))
 		case cost > units:
-			r.Reason = RateLimited
 			r.RetryAfterMS = ceilDiv(cost-units, t.Spec.Refill*1000)
+			if !t.reserves(r.RetryAfterMS) {
+				r.Reason = RateLimited
+			}
 		}
 	}
 	d.summarize()
 	for i, t := range takes {
 		units := states[i].Units
 		r := &d.Buckets[i]
-		// A shadow bucket is charged when it allows, as if enforced.
-		if d.Allowed && t.Cost > 0 && r.Reason == Allowed {
+		// A shadow bucket is charged when it allows, as if enforced; a
+		// bucket with a reservation is charged now.
+		charge := d.Allowed && t.Cost > 0 && r.Reason == Allowed
+		if charge {
 			units -= t.costUnits()
-			states[i].Units = units
-			states[i].Last = max(now, states[i].Last)
 			charged[i] = true
 		}
 		r.Remaining = floorDiv(units, t.Spec.Scale)
-		if t.Lease == 0 {
+		switch {
+		case t.Window != nil:
+			end := states[i].Last
+			r.FullMS = max(1, ceilDiv(end-now, 1000))
+			// The stored state: the units used, in the window's start.
+			start, _ := t.Window.At(now)
+			states[i] = State{Units: t.Spec.Capacity - units, Scale: 1, Last: start}
+		case t.Lease > 0:
+			states[i].Units = units
+		default:
+			if charge {
+				states[i].Units = units
+				states[i].Last = max(now, states[i].Last)
+			}
 			r.FullMS = ceilDiv(t.Spec.CapacityUnits()-units, t.Spec.Refill*1000) + ceilDiv(states[i].Last-now, 1000)
 		}
 	}
@@ -238,10 +292,14 @@ func Summarize(results []Result) Decision {
 // wait helps), else the RateLimited bucket with the longest wait; shadow
 // buckets only set ShadowDenied.
 func (d *Decision) summarize() {
-	d.Reason, d.RetryAfterMS, d.Deciding, d.ShadowDenied = Allowed, 0, -1, false
+	d.Reason, d.RetryAfterMS, d.Deciding, d.ShadowDenied, d.WaitMS = Allowed, 0, -1, false, 0
 	for i, r := range d.Buckets {
 		if r.Shadow {
 			d.ShadowDenied = d.ShadowDenied || r.Reason != Allowed
+			continue
+		}
+		if r.Reason == Allowed {
+			d.WaitMS = max(d.WaitMS, r.RetryAfterMS) // a reservation's wait
 			continue
 		}
 		if r.Reason > d.Reason || (r.Reason == RateLimited && d.Reason == RateLimited && r.RetryAfterMS > d.RetryAfterMS) {
@@ -252,6 +310,9 @@ func (d *Decision) summarize() {
 		d.RetryAfterMS = 0
 	}
 	d.Allowed = d.Reason == Allowed
+	if !d.Allowed {
+		d.WaitMS = 0
+	}
 }
 
 // refill returns the units a bucket holds at now, in s's scale.

@@ -90,3 +90,40 @@ func (l *Local) Release(keys []string, takes []Take) {
 		l.lru.Add(k, st)
 	}
 }
+
+// Refund gives back what an allowed Take charged, for a request that will
+// not be served after all (its client left while it waited on a
+// reservation): each charged bucket its cost (up to full), each quota its
+// cost in the window that holds now, each concurrency slot its lease. It
+// is one script call; takes must be the charged ones. It returns the
+// buckets refunded.
+func (s Redis) Refund(ctx context.Context, keys []string, takes []Take) (int64, error) {
+	if err := checkTakes(keys, takes); err != nil || len(keys) == 0 {
+		return 0, err
+	}
+	n, err := lua.Refund.Run(ctx, s.Client, keys, appendArgs(nil, takes)...).Int64()
+	if err != nil {
+		return 0, fmt.Errorf("running refund script: %w", err)
+	}
+	return n, nil
+}
+
+// Refund refunds like Redis.Refund, one call per hash-tag group.
+func (s Sharded) Refund(ctx context.Context, keys []string, takes []Take) (int64, error) {
+	if err := checkTakes(keys, takes); err != nil {
+		return 0, err
+	}
+	var total int64
+	for _, idx := range groupByTag(keys) {
+		gk, gt := make([]string, len(idx)), make([]Take, len(idx))
+		for j, i := range idx {
+			gk[j], gt[j] = keys[i], takes[i]
+		}
+		n, err := Redis{Client: s.Client}.Refund(ctx, gk, gt)
+		total += n
+		if err != nil {
+			return total, err
+		}
+	}
+	return total, nil
+}

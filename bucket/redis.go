@@ -71,11 +71,22 @@ func appendArgs(args []any, takes []Take) []any {
 		if t.Shadow {
 			flags |= flagShadow
 		}
-		if t.Lease > 0 {
-			refill, flags, lease = t.Lease, flags|flagConcurrent, t.LeaseID
+		switch {
+		case t.Lease > 0:
+			refill, flags, lease = t.Lease, flags|kindConcurrent, t.LeaseID
+		case t.Window != nil:
+			refill, flags = 0, flags|kindQuota
 		}
-		appendFloats(vals[i][:0], t.Spec.CapacityUnits(), refill, t.Spec.Scale, t.costUnits(), flags) // fills vals[i] in place
-		args = append(args, &vals[i])
+		v := &vals[i]
+		b := appendFloats(v.b[:0], t.Spec.CapacityUnits(), refill, t.Spec.Scale, t.costUnits(), flags) // fills v.b in place
+		switch {
+		case t.Window != nil:
+			b = appendFloats(b, t.Window[0], t.Window[1], t.Window[2], t.Window[3])
+		case t.MaxWaitMS > 0 && t.Lease == 0:
+			b = appendFloats(b, t.MaxWaitMS)
+		}
+		v.n = uint8(len(b))
+		args = append(args, v)
 	}
 	if lease != "" {
 		args = append(args, lease)
@@ -83,19 +94,24 @@ func appendArgs(args []any, takes []Take) []any {
 	return args
 }
 
-// Flags of a bucket's ARGV (lua/token_bucket.lua).
+// Flags of a bucket's ARGV (lua/token_bucket.lua): shadow + 2 × kind.
 const (
 	flagShadow     = 1 // the bucket's denial does not deny the request
-	flagConcurrent = 2 // a concurrency limit: a sorted set of leases
+	kindConcurrent = 2 // a concurrency limit: a sorted set of leases
+	kindQuota      = 4 // a calendar quota
 )
 
 // argv is one bucket's ARGV: capacity, refill, scale, cost in units and
-// flags as five little-endian doubles. go-redis sends it as a bulk string
-// of its bytes, as it would the same bytes in a string.
-type argv [40]byte
+// flags as five little-endian doubles, then a quota's four window starts
+// or a reservation's max wait. go-redis sends it as a bulk string of its
+// bytes, as it would the same bytes in a string.
+type argv struct {
+	b [9 * 8]byte
+	n uint8
+}
 
 // MarshalBinary implements encoding.BinaryMarshaler for go-redis.
-func (a *argv) MarshalBinary() ([]byte, error) { return a[:], nil }
+func (a *argv) MarshalBinary() ([]byte, error) { return a.b[:a.n], nil }
 
 func appendFloats(b []byte, vals ...int64) []byte {
 	for _, v := range vals {
@@ -141,6 +157,8 @@ func ParseReply(vals []int64, takes []Take) (Decision, error) {
 		switch {
 		case wait == -1:
 			r.Reason = CostExceedsCapacity
+		case wait > 0 && takes[i].reserves(wait):
+			r.RetryAfterMS = wait // allowed with a reservation
 		case wait > 0:
 			r.Reason, r.RetryAfterMS = RateLimited, wait
 		}

@@ -22,6 +22,9 @@ const SettleTTL = time.Minute
 type Adjust struct {
 	Spec  Spec
 	Delta int64
+	// Window is, for a calendar quota, the start (µs) of the window the
+	// request was charged in; 0 for a token bucket.
+	Window int64
 }
 
 // Settle charges or gives back each bucket's delta in one script call,
@@ -35,7 +38,11 @@ func (s Redis) Settle(ctx context.Context, id string, keys []string, adj []Adjus
 	args := make([]any, 0, 1+len(adj))
 	args = append(args, strconv.FormatInt(SettleTTL.Milliseconds(), 10))
 	for _, a := range adj {
-		args = append(args, string(appendFloats(nil, a.Spec.CapacityUnits(), a.Spec.Refill, a.Spec.Scale, clampDelta(a))))
+		b := appendFloats(nil, a.Spec.CapacityUnits(), a.Spec.Refill, a.Spec.Scale, clampDelta(a))
+		if a.Window != 0 {
+			b = appendFloats(b, a.Window)
+		}
+		args = append(args, string(b))
 	}
 	n, err := lua.Settle.Run(ctx, s.Client, all, args...).Int64()
 	if err != nil {

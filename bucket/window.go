@@ -74,13 +74,38 @@ func WindowsAt(p Period, loc *time.Location, t time.Time) Windows {
 	return w
 }
 
-// At returns the start and end of the window that holds now (µs), and
-// false when now is outside the first three windows.
-func (w Windows) At(now int64) (start, end int64, ok bool) {
-	for i := 0; i < 3; i++ {
-		if w[i] <= now && now < w[i+1] {
-			return w[i], w[i+1], true
+// At returns the start and end of the window that holds now (µs): among
+// the first three, the nearest when now is outside them (a clock off by
+// more than a window), as the script picks it.
+func (w Windows) At(now int64) (start, end int64) {
+	switch {
+	case now >= w[2]:
+		return w[2], w[3]
+	case now >= w[1]:
+		return w[1], w[2]
+	}
+	return w[0], w[1]
+}
+
+// ChargedIn returns the start of the window that a decision charged, from
+// its FullMS (the milliseconds the script saw left in that window) and
+// the gateway's clock at the decision (µs): the window whose end is
+// nearest to decidedAt + FullMS. Windows are a day or more apart, so the
+// answer is the script's own for any clock skew under half a day.
+func (w Windows) ChargedIn(decidedAt, fullMS int64) int64 {
+	end := decidedAt + fullMS*1000
+	best := 1
+	for k := 2; k <= 3; k++ {
+		if abs(w[k]-end) < abs(w[best]-end) {
+			best = k
 		}
 	}
-	return 0, 0, false
+	return w[best-1]
+}
+
+func abs(n int64) int64 {
+	if n < 0 {
+		return -n
+	}
+	return n
 }

@@ -40,12 +40,17 @@ if demoted then
   state = 1
 else
   left = 0
-  -- Only an enforced bucket's denial counts; a shadow one's does not.
+  -- Only an enforced bucket's denial counts: not a shadow one's, nor a
+  -- reservation (a wait within the bucket's max_wait_ms).
   local limited = false
   for i = 1, n do
-    if reply[3 * i - 1] > 0 then
-      local flags = select(5, unpack('<ddddd', ARGV[ao + i]))
-      if flags % 2 == 0 then limited = true end
+    local wait = reply[3 * i - 1]
+    if not allowed and wait > 0 then
+      local a = ARGV[ao + i]
+      local flags = select(5, unpack('<ddddd', a))
+      local reserve = 0
+      if #a > 40 and floor(flags / 2) == 0 then reserve = unpack('<d', a, 41) end
+      if flags % 2 == 0 and wait > reserve then limited = true end
     end
   end
   if limited then

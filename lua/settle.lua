@@ -7,7 +7,8 @@ code.
 
 KEYS[1]  the settlement marker: SET NX, so a second settlement of the same
          request (a retried call) changes nothing.
-KEYS[i]  (i >= 2) the token buckets charged by the request.
+KEYS[i]  (i >= 2) the token buckets and calendar quotas charged by the
+         request.
 ARGV[1]  the marker's TTL in milliseconds.
 ARGV[i]  (i >= 2) bucket i's parameters as in token_bucket.lua, the cost
          being the units to charge (> 0) or give back (< 0). A charge may
@@ -15,7 +16,10 @@ ARGV[i]  (i >= 2) bucket i's parameters as in token_bucket.lua, the cost
          refill repays it; it is floored at minus one capacity (the caller
          bounds the cost to two capacities either way, which reaches the
          floor and full from anywhere). A bucket given back up to full is
-         deleted.
+         deleted. A calendar quota's ARGV adds 8 bytes, struct.pack('<d',
+         window_start): the window it was charged in; its units used go
+         up or down by the cost, between 0 and two amounts, in that window
+         only (a quota that has reset since is not settled).
 Reply    1 when settled, 0 when the request was settled before.
 
 Every bucket is read before anything is written, the marker included, so a
@@ -29,10 +33,22 @@ end
 -- Read every bucket: its units and state time, two per bucket.
 local held = {}
 for i = 2, #KEYS do
-  local key = KEYS[i]
-  local cap, refill, scale, delta = unpack('<dddd', ARGV[i])
+  local key, a = KEYS[i], ARGV[i]
+  local cap, refill, scale, delta = unpack('<dddd', a)
   local u, last = cap, now
+  if #a > 32 then
+    -- A calendar quota: its units used, when the key holds the window the
+    -- request was charged in; false: nothing to settle (it has reset).
+    local ws = unpack('<d', a, 33)
+    u = false
+    local v = call('GET', key)
+    if v then
+      local used, _, vs = unpack('<ddd', v)
+      if vs == ws then u = used end
+    end
+  else
   --[[use load]]
+  end
   held[2 * i - 3] = u
   held[2 * i - 2] = last
 end
@@ -40,8 +56,17 @@ end
 call('SET', KEYS[1], '1', 'PX', ARGV[1])
 for i = 2, #KEYS do
   local key = KEYS[i]
-  local cap, refill, scale, delta = unpack('<dddd', ARGV[i])
+  local a = ARGV[i]
+  local cap, refill, scale, delta = unpack('<dddd', a)
   local u, last = held[2 * i - 3], held[2 * i - 2]
+  if #a > 32 then
+    if u then
+      u = u + delta
+      if u < 0 then u = 0 end
+      if u > 2 * cap then u = 2 * cap end
+      call('SET', key, pack('<ddd', u, 1, (unpack('<d', a, 33))), 'KEEPTTL')
+    end
+  else
   if now > last then last = now end
   u = u - delta
   if u < -cap then u = -cap end
@@ -50,6 +75,7 @@ for i = 2, #KEYS do
   else
     --[[use full]]
     call('SET', key, pack('<ddd', u, scale, last), 'PX', full)
+  end
   end
 end
 return 1

@@ -17,11 +17,16 @@ KEYS[i]  the key of bucket i. Its value is 24 bytes, struct.pack('<ddd',
 ARGV[i]  bucket i's parameters, 40 bytes, struct.pack('<ddddd', capacity,
          refill, scale, cost, flags): the capacity in units (tokens *
          scale), the units added per microsecond, the units per token, the
-         cost in units (tokens * scale; 0 is a peek), and flags: 1 shadow
-         (the bucket is decided and, when it allows an allowed request,
-         charged, but its denial does not deny the request), 2 concurrency
-         limit (below). Binary, so that the script spends no time
-         converting text to numbers.
+         cost in units (tokens * scale; 0 is a peek), and flags: shadow + 2
+         * kind. Shadow (1): the bucket is decided and, when it allows an
+         allowed request, charged, but its denial does not deny the
+         request. Kind: 0 a token bucket, 1 a concurrency limit, 2 a
+         calendar quota (below). A token bucket may add 8 bytes,
+         struct.pack('<d', max_wait_ms): a reservation (on_limit wait) lets
+         it allow a cost it holds only after a wait of up to max_wait_ms,
+         charging it now (the bucket goes below zero by at most what
+         refills in max_wait_ms) and replying that wait. Binary, so that
+         the script spends no time converting text to numbers.
 ARGV[#KEYS + 1]  the request's lease id, when a bucket is a concurrency
          limit.
 
@@ -33,12 +38,23 @@ expired; taking one adds the lease id with expiry now + lease, and the
 key lives as long as its longest lease. It never refills: a slot comes
 back when lease.lua releases the lease or the lease lapses. A full one
 waits 1000 ms (Retry-After: 1), and reports full_ms 0.
+
+A calendar quota counts the units used in the calendar window that holds
+now: capacity is its amount (scale 1), refill 0, and its ARGV adds 32
+bytes, struct.pack('<dddd', w0, w1, w2, w3): the starts of four
+consecutive windows in microseconds (the gateway computes the calendar, in
+its time zone; Redis's clock picks the window: [w0, w1), [w1, w2) or [w2,
+w3), the nearest when now is outside them). Its value is struct.pack(
+'<ddd', used, 1, window_start); a value of another window is an unused
+quota. A full quota waits until its window ends; full_ms is the time until
+then, and a charged key expires then.
 Reply    3 integers per bucket, in KEYS order:
            remaining  whole tokens (free slots) left, after the charge when
                       the bucket was charged
            wait_ms    0: this bucket allows; > 0: it denies, and can allow
-                      after this many milliseconds (rounded up);
-                      -1: the cost exceeds the capacity
+                      after this many milliseconds (rounded up), or, when
+                      at most its max_wait_ms, it allows with a reservation
+                      of this wait; -1: the cost exceeds the capacity
            full_ms    milliseconds until the bucket is full again, rounded
                       up; for a charged bucket it is the TTL just set
 A charged key gets a TTL of full_ms (SET PX, >= 1 ms), so an expired key is
@@ -90,13 +106,26 @@ local allowed = true
 -- each bucket's units and state time for pass 2.
 local ms = floor(now / 1000)
 for i = 1, n do
-  local key = KEYS[ko + i]
-  local cap, refill, scale, cost, flags = unpack('<ddddd', ARGV[ao + i])
-  local u, last = cap, now
-  if flags >= 2 then
+  local key, a = KEYS[ko + i], ARGV[ao + i]
+  local cap, refill, scale, cost, flags = unpack('<ddddd', a)
+  local kind = floor(flags / 2)
+  local u, last, reserve = cap, now, 0
+  if kind == 1 then
     -- A concurrency limit: the slots that no live lease holds.
     u = cap - call('ZCOUNT', key, '(' .. ms, '+inf')
+  elseif kind == 2 then
+    -- A calendar quota: what is left of it in the window that holds now;
+    -- last is the window's end.
+    local w0, w1, w2, w3 = unpack('<dddd', a, 41)
+    local ws
+    if now >= w2 then ws, last = w2, w3 elseif now >= w1 then ws, last = w1, w2 else ws, last = w0, w1 end
+    local v = call('GET', key)
+    if v then
+      local used, _, vs = unpack('<ddd', v)
+      if vs == ws then u = cap - used end
+    end
   else
+  if #a > 40 then reserve = unpack('<d', a, 41) end
   --[[block load]]
   local v = call('GET', key)
   if v then
@@ -124,15 +153,19 @@ for i = 1, n do
   local wait = 0
   if cost > cap then
     wait = -1
-  elseif cost > u and flags >= 2 then
+  elseif cost > u and kind == 1 then
     wait = 1000
+  elseif cost > u and kind == 2 then
+    wait = floor((last - now) / 1000)
+    if wait * 1000 < last - now then wait = wait + 1 end
+    if wait < 1 then wait = 1 end
   elseif cost > u then
     -- ceil((cost - u) / (refill * 1000)) milliseconds, exact below 2^53
     local d, per = cost - u, refill * 1000
     wait = floor(d / per)
     if wait * per < d then wait = wait + 1 end
   end
-  if wait ~= 0 and flags % 2 == 0 then allowed = false end
+  if wait ~= 0 and flags % 2 == 0 and (wait < 0 or wait > reserve) then allowed = false end
   local j = 3 * i
   reply[j - 2] = u
   reply[j - 1] = wait
@@ -142,12 +175,32 @@ end
 -- Pass 2: charge every bucket if all allowed; report remaining and time
 -- until full.
 for i = 1, n do
-  local cap, refill, scale, cost, flags = unpack('<ddddd', ARGV[ao + i])
+  local a = ARGV[ao + i]
+  local cap, refill, scale, cost, flags = unpack('<ddddd', a)
+  local kind = floor(flags / 2)
   local j = 3 * i
-  local u, last = reply[j - 2], reply[j]
-  -- A shadow bucket that denies is not charged: as if enforced.
-  local charge = allowed and cost > 0 and reply[j - 1] == 0
-  if flags >= 2 then
+  local u, last, wait = reply[j - 2], reply[j], reply[j - 1]
+  -- A shadow bucket that denies is not charged: as if enforced. A bucket
+  -- with a reservation is.
+  local charge = allowed and cost > 0 and wait == 0
+  if allowed and cost > 0 and wait > 0 and kind == 0 and #a > 40 then
+    charge = wait <= unpack('<d', a, 41)
+  end
+  if kind == 2 then
+    local full = floor((last - now) / 1000)
+    if full * 1000 < last - now then full = full + 1 end
+    if full < 1 then full = 1 end -- now past the last window: see above
+    if charge then
+      -- The window's start: the bound before its end.
+      local w0, w1, w2 = unpack('<ddd', a, 41)
+      local ws = w2
+      if last == w1 then ws = w0 elseif last == w2 then ws = w1 end
+      u = u - cost
+      call('SET', KEYS[ko + i], pack('<ddd', cap - u, 1, ws), 'PX', full)
+    end
+    reply[j - 2] = u
+    reply[j] = full
+  elseif kind == 1 then
     if charge then
       local key = KEYS[ko + i]
       call('ZREMRANGEBYSCORE', key, '-inf', ms)
