@@ -4,6 +4,7 @@ import (
 	"math"
 	"slices"
 	"strconv"
+	"time"
 
 	"github.com/dustin/go-humanize"
 
@@ -60,7 +61,11 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		tier <name> {
 //			<dimension> <capacity> <refill> [requests|tokens] [models <glob>...] [shadow]
 //			<dimension> <n> concurrent [models <glob>...] [shadow]
+//			<dimension> <amount> per day|week|month [requests|tokens] [models <glob>...] [shadow]
 //		}
+//		quota_timezone <IANA name>     # default UTC
+//		on_limit reject|wait <max_wait>  # default reject
+//		max_waiting <n>                # default 1000
 //		concurrency_lease <duration>   # default 10m
 //		shadow
 //
@@ -127,6 +132,37 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				h.Shadow = true
 			} else {
 				h.OpenAIHeaders = true
+			}
+		case "quota_timezone":
+			var v string
+			if v, err = oneArg(d); err == nil {
+				if _, lerr := time.LoadLocation(v); lerr != nil {
+					return d.Errf("invalid quota_timezone %q: not an IANA time zone name", v)
+				}
+				h.QuotaTimezone = v
+			}
+		case "on_limit":
+			args := d.RemainingArgs()
+			switch {
+			case len(args) == 1 && args[0] == LimitReject:
+				h.OnLimit = LimitReject
+			case len(args) == 2 && args[0] == LimitWait:
+				dur, perr := caddy.ParseDuration(args[1])
+				if perr != nil || maxWaitRule(dur) != nil {
+					return d.Errf("invalid on_limit wait %q: %v", args[1], maxWaitRule(max(dur, 0)))
+				}
+				h.OnLimit, h.MaxWait = LimitWait, caddy.Duration(dur)
+			default:
+				return argErr(d, "on_limit", args, "reject, or wait <max_wait>")
+			}
+		case "max_waiting":
+			var v string
+			if v, err = oneArg(d); err == nil {
+				n, perr := strconv.Atoi(v)
+				if perr != nil || positiveRule(int64(n)) != nil {
+					return d.Errf("invalid max_waiting %q: %v", v, errPositive)
+				}
+				h.MaxWaiting = n
 			}
 		case "concurrency_lease":
 			var v string
@@ -502,6 +538,26 @@ func unmarshalLimit(d *caddyfile.Dispenser) (Limit, error) {
 			return l, d.Errf("models for dimension %q: at least one model glob", l.Dimension)
 		}
 		args = args[:i]
+	}
+	if len(args) >= 3 && args[1] == "per" {
+		n, err := strconv.ParseInt(args[0], 10, 64)
+		if err != nil || capacityRule(n) != nil {
+			return l, d.Errf("invalid quota amount %q for dimension %q: %v", args[0], l.Dimension, errCapacity)
+		}
+		if _, err := bucket.ParsePeriod(args[2]); err != nil {
+			return l, d.Errf("invalid quota for dimension %q: %v", l.Dimension, err)
+		}
+		l.Capacity, l.Period = n, args[2]
+		switch {
+		case len(args) == 3:
+		case len(args) == 4 && (args[3] == UnitRequests || args[3] == UnitTokens):
+			if args[3] == UnitTokens {
+				l.Unit = UnitTokens
+			}
+		default:
+			return l, argErr(d, "limit "+l.Dimension, args, "<amount> per day|week|month [requests|tokens], then [models <glob>...] [shadow]")
+		}
+		return l, nil
 	}
 	if len(args) == 2 && args[1] == UnitConcurrent {
 		n, err := strconv.ParseInt(args[0], 10, 64)

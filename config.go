@@ -7,6 +7,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -66,6 +67,12 @@ type Limit struct {
 	// model, the first one applies. Each glob is 1 to 128 of letters,
 	// digits and ._:/@+-* (the characters of model names). Needs estimate.
 	Models []string `json:"models,omitempty"`
+	// Period, when set ("day", "week" or "month"), makes the limit a
+	// calendar quota instead of a bucket: at most Capacity units per
+	// calendar window, which starts at 00:00 (weeks on Monday, months on
+	// the 1st) in Handler.QuotaTimezone, and resets at each boundary.
+	// RefillRate must be 0. A denial waits until the window resets.
+	Period string `json:"period,omitempty"`
 	// Shadow decides and charges the limit exactly as if it were enforced,
 	// but a request it alone would deny is allowed: the would-be denial is
 	// counted (shadow_denials_total), audited with "shadow":true and set in
@@ -84,6 +91,20 @@ const (
 
 // DefaultConcurrencyLease is the default concurrency_lease.
 const DefaultConcurrencyLease = 10 * time.Minute
+
+// Values of on_limit.
+const (
+	LimitReject = "reject"
+	LimitWait   = "wait"
+)
+
+// DefaultMaxWaiting is the default max_waiting: the requests one gateway
+// holds on reservations at once.
+const DefaultMaxWaiting = 1000
+
+// MaxMaxWait is the longest max_wait: an HTTP client waits for its answer,
+// and a proxy or SDK in front of it gives up after a minute or so.
+const MaxMaxWait = time.Minute
 
 // Policies for on_redis_error.
 const (
@@ -128,6 +149,17 @@ func (h *Handler) compile() error {
 	h.tiers, h.deflt = compileTiers(h.Dimensions, h.Tiers, h.DefaultTier, h.LocalShare, h.Shadow)
 	h.modelFirst = h.needsModelFirst()
 	h.leaseMS = time.Duration(h.ConcurrencyLease).Milliseconds()
+	h.windows, h.waiting = new([4]atomic.Pointer[bucket.Windows]), new(atomic.Int64)
+	h.quotaLoc = time.UTC
+	if h.QuotaTimezone != "" {
+		h.quotaLoc, _ = time.LoadLocation(h.QuotaTimezone) // validated
+	}
+	if h.OnLimit == LimitWait {
+		h.maxWaitMS = time.Duration(h.MaxWait).Milliseconds()
+		if h.MaxWaiting == 0 {
+			h.MaxWaiting = DefaultMaxWaiting
+		}
+	}
 	h.idKeys = make([]string, len(h.Dimensions))
 	for i, d := range h.Dimensions {
 		h.idKeys[i] = placeholderKey(d.Identity)
@@ -254,6 +286,26 @@ func (h *Handler) validate() error {
 	if err := durationRule(time.Duration(h.ConcurrencyLease)); h.ConcurrencyLease != 0 && err != nil {
 		return fmt.Errorf("concurrency_lease %v: %v", time.Duration(h.ConcurrencyLease), err)
 	}
+	if h.QuotaTimezone != "" {
+		if _, err := time.LoadLocation(h.QuotaTimezone); err != nil {
+			return fmt.Errorf("quota_timezone %q: not an IANA time zone name: %v", h.QuotaTimezone, err)
+		}
+	}
+	switch h.OnLimit {
+	case "", LimitReject:
+		if h.MaxWait != 0 {
+			return fmt.Errorf("max_wait %v: only with on_limit wait", time.Duration(h.MaxWait))
+		}
+	case LimitWait:
+		if err := maxWaitRule(time.Duration(h.MaxWait)); err != nil {
+			return fmt.Errorf("max_wait %v: %v", time.Duration(h.MaxWait), err)
+		}
+	default:
+		return fmt.Errorf("on_limit %q: must be reject or wait", h.OnLimit)
+	}
+	if err := positiveRule(int64(h.MaxWaiting)); h.MaxWaiting != 0 && err != nil {
+		return fmt.Errorf("max_waiting %d: %v", h.MaxWaiting, err)
+	}
 	if h.Settle != nil && h.Settle.IncludeUsage && h.Estimate == nil {
 		return errors.New("settle.include_usage needs estimate (cost estimate), which reads the request body it adds stream_options to")
 	}
@@ -305,6 +357,9 @@ func (t Tier) validate(i int, dims map[string]bool) error {
 			return fmt.Errorf("%s: tier %q, dimension %q: %v", field, t.Name, l.Dimension, err)
 		}
 		unit := l.unit()
+		if l.Period != "" {
+			unit += " per " + l.Period // a quota: its own key
+		}
 		if l.Shadow {
 			unit += " shadow" // its own bucket, beside an enforced one
 		}
@@ -355,6 +410,18 @@ func (l Limit) spec() (bucket.Spec, error) {
 	}
 	if err := capacityRule(l.Capacity); err != nil {
 		return bucket.Spec{}, fmt.Errorf("capacity %d: %v", l.Capacity, err)
+	}
+	if l.Period != "" {
+		if _, err := bucket.ParsePeriod(l.Period); err != nil {
+			return bucket.Spec{}, err
+		}
+		if l.Unit == UnitConcurrent {
+			return bucket.Spec{}, fmt.Errorf("period %q: a concurrent limit is not a quota", l.Period)
+		}
+		if l.RefillRate != 0 {
+			return bucket.Spec{}, fmt.Errorf("refill_rate %v: a quota (period %s) has no refill (0)", l.RefillRate, l.Period)
+		}
+		return bucket.QuotaSpec(l.Capacity), nil
 	}
 	if l.Unit == UnitConcurrent {
 		if l.RefillRate != 0 {

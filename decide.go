@@ -77,9 +77,17 @@ func (h *Handler) decide(x *exchange) verdict {
 		}
 	}
 	start := h.now()
+	req.decidedAt = start.UnixMicro()
+	held := h.reserve(req)
 	d, err := h.conn.take(x.r.Context(), req.keys, req.takes)
+	if held && (err != nil || d.WaitMS == 0) {
+		h.waiting.Add(-1) // not held after all
+	}
 	if err != nil {
 		return h.decideDegraded(x, err)
+	}
+	if h.maxWaitMS > 0 && d.Reason == bucket.RateLimited {
+		d = h.retryAfterWait(req, d)
 	}
 	if h.denials != nil && d.Reason == bucket.RateLimited {
 		for i, b := range d.Buckets {
@@ -152,17 +160,26 @@ func (h *Handler) decideDemote(x *exchange, store bucket.Redis, id string) verdi
 	base := h.keyer.Key(h.demote.name, id, "")
 	var state bucket.Demotion
 	var d bucket.Decision
+	req.decidedAt = h.now().UnixMicro()
+	preq.decidedAt = req.decidedAt
+	held := h.reserve(req, preq)
 	err = h.conn.call(x.r.Context(), h.conn.timeout, func(ctx context.Context) error {
 		var err error
 		d, state, _, err = store.TakeDemote(ctx, base+":demoted", base+":denials", h.demote.rule,
 			req.keys, req.takes, preq.keys, preq.takes)
 		return err
 	})
+	if held && (err != nil || d.WaitMS == 0) {
+		h.waiting.Add(-1) // not held after all
+	}
 	if err != nil {
 		return h.decideDegraded(x, err)
 	}
 	if state == bucket.Demoted {
 		t, req = h.demote.penalty, preq
+	}
+	if h.maxWaitMS > 0 && d.Reason == bucket.RateLimited {
+		d = h.retryAfterWait(req, d)
 	}
 	v := decidedVerdict(t, req, d, false)
 	if state != bucket.NotDemoted {

@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -131,6 +132,33 @@ type Handler struct {
 	// slots when their leases lapse.
 	ConcurrencyLease caddy.Duration `json:"concurrency_lease,omitempty"`
 
+	// QuotaTimezone is the IANA time zone (e.g. "Europe/Berlin") whose
+	// calendar the quotas (limits with a period) count in: days start at
+	// its midnight, with its daylight-saving changes (a day may be 23 or
+	// 25 hours). Default UTC.
+	QuotaTimezone string `json:"quota_timezone,omitempty"`
+
+	// OnLimit is what happens to a request its buckets deny: "reject" (the
+	// default) answers 429; "wait" holds a request that its token buckets
+	// would allow within MaxWait: the decision charges them at once (they
+	// go below zero by at most what refills in MaxWait) and the request
+	// goes on after the wait, so that waiting clients on every gateway are
+	// served in the order they arrived, at exactly the refill rate. A
+	// request that would need longer is denied at once, with a Retry-After
+	// of the time until it would be held no longer than MaxWait. A client
+	// that leaves while held gets its tokens back. Quotas and concurrency
+	// limits never hold a request.
+	OnLimit string `json:"on_limit,omitempty"`
+
+	// MaxWait is the longest hold of on_limit wait: 1ms to 1m.
+	MaxWait caddy.Duration `json:"max_wait,omitempty"`
+
+	// MaxWaiting bounds the requests this gateway holds at once with
+	// on_limit wait (default 1000); beyond it, a request that would be
+	// held is denied as with reject, so that a flood cannot pile up
+	// goroutines.
+	MaxWaiting int `json:"max_waiting,omitempty"`
+
 	// Demote moves an identity that keeps hammering while limited to a
 	// stricter tier for a while. See Demote.
 	Demote *Demote `json:"demote,omitempty"`
@@ -193,6 +221,10 @@ type Handler struct {
 	// so the body is read before they are built.
 	modelFirst bool
 	leaseMS    int64 // ConcurrencyLease in milliseconds
+	quotaLoc   *time.Location
+	windows    *[4]atomic.Pointer[bucket.Windows] // by bucket.Period: the quota windows around now
+	maxWaitMS  int64                              // on_limit wait: MaxWait in milliseconds; 0: reject
+	waiting    *atomic.Int64                      // requests held by on_limit wait
 }
 
 // store decides a request's buckets; bucket.Redis and bucket.Local are

@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 
@@ -22,6 +23,7 @@ type request struct {
 	tokensCap int64 // the smallest capacity of its tokens limits; -1: none
 	leases    int   // its concurrency limits
 	demoted   bool  // decided on a demotion's penalty tier, or demoted by this denial
+	decidedAt int64 // the gateway's clock (µs) when Redis was asked: which window a quota was charged in
 }
 
 // requestOf1 and requestOf4 hold a request and the arrays its slices use,
@@ -63,7 +65,7 @@ func (r *request) hasTokens() bool { return r.tokensCap >= 0 }
 func (r *request) localTakes() []bucket.Take {
 	takes := make([]bucket.Take, len(r.takes))
 	for i, t := range r.takes {
-		t.Spec = r.limits[i].local
+		t.Spec, t.MaxWaitMS = r.limits[i].local, 0 // never held: see on_limit
 		takes[i] = t
 	}
 	return takes
@@ -85,6 +87,15 @@ type inputs struct {
 	costErr  error  // why the cost cannot be had
 	modelID  string // the hashed model, for the keys of scoped limits
 	lease    string // the lease id of the request's concurrency slots
+	now      time.Time
+}
+
+// clock returns the gateway's time, read once per request.
+func (in *inputs) clock(h *Handler) time.Time {
+	if in.now.IsZero() {
+		in.now = h.now()
+	}
+	return in.now
 }
 
 // identity returns dimension i's identity (see Handler.identity), resolved
@@ -207,9 +218,12 @@ func (h *Handler) bucketsOf(in *inputs, t *tier) *request {
 		if l.tokens && (req.tokensCap < 0 || l.spec.Capacity < req.tokensCap) {
 			req.tokensCap = l.spec.Capacity
 		}
-		if l.concurrent {
+		switch {
+		case l.concurrent:
 			take.Lease, take.LeaseID = h.leaseMS, in.leaseID()
 			req.leases++
+		case l.period != 0:
+			take.Window = h.quotaWindows(l.period, in.clock(h))
 		}
 		key := ""
 		if l.scope != 0 {

@@ -1,6 +1,7 @@
 package tokenbucket
 
 import (
+	"context"
 	"math"
 	"net/http"
 	"strconv"
@@ -34,10 +35,10 @@ func (h *Handler) addHeaders(hs *headerSet, b []byte, t *tier, policy, limits []
 	if i < 0 {
 		return b
 	}
-	if t.appliesAll(policy) {
+	if t.policy != "" && t.appliesAll(policy) {
 		hs.add("Ratelimit-Policy", t.policy)
 	} else {
-		b = appendPolicy(b, policy)
+		b = appendPolicy(b, policy, h)
 		hs.cut("Ratelimit-Policy", b)
 	}
 	first := true
@@ -136,8 +137,9 @@ func mostConstrained(limits []*limit, d *bucket.Decision, tokens bool) int {
 }
 
 // appendPolicy appends RateLimit-Policy: one item per applied bucket that
-// is not in shadow.
-func appendPolicy(b []byte, limits []*limit) []byte {
+// is not in shadow. A quota's w is the length in seconds of its window
+// now, by h's clock (a day of 23 to 25 hours, a month of 28 to 31 days).
+func appendPolicy(b []byte, limits []*limit, h *Handler) []byte {
 	first := true
 	for _, l := range limits {
 		if l.shadow {
@@ -148,6 +150,10 @@ func appendPolicy(b []byte, limits []*limit) []byte {
 		}
 		first = false
 		b = append(b, l.policy...)
+		if l.period != 0 {
+			w := h.quotaWindows(l.period, h.now())
+			b = strconv.AppendInt(b, (w[2]-w[1])/1e6, 10)
+		}
 	}
 	return b
 }
@@ -393,6 +399,9 @@ func (h *Handler) record(x *exchange, v *verdict) {
 	if v.demoted {
 		repl.Set("http.token_bucket.demoted", "true")
 	}
+	if v.decided && v.d.WaitMS > 0 {
+		repl.Set("http.token_bucket.wait_ms", v.d.WaitMS)
+	}
 	if v.decided {
 		setPlaceholders(repl, v.req.limits, &v.d)
 		h.observe(x.r, v.tier, v.req, &v.d, v.local)
@@ -439,8 +448,16 @@ func (h *Handler) respond(x *exchange, v *verdict, next caddyhttp.Handler) error
 		return h.deny(w, v.tier, v.req, &v.d, &hs, b)
 	}
 	h.writeHeaders(w.Header(), v.tier, v.req.limits, &v.d)
+	if v.d.WaitMS > 0 && !h.await(x, v) {
+		// As reverse_proxy reports a client that closed its request.
+		return caddyhttp.Error(statusClientClosedRequest, context.Cause(x.r.Context()))
+	}
 	return h.serveNext(x, v, next)
 }
+
+// statusClientClosedRequest is the status logged for a client that went
+// away before its answer (nginx's 499, which Caddy's reverse_proxy uses).
+const statusClientClosedRequest = 499
 
 // unavailable answers 503 for on_redis_error deny; never 429, which would
 // tell the client it was over a limit it may not be over.

@@ -57,6 +57,14 @@ func durationRule(d time.Duration) error {
 	return nil
 }
 
+// maxWaitRule: max_wait, 1ms to MaxMaxWait.
+func maxWaitRule(d time.Duration) error {
+	if d < time.Millisecond || d > MaxMaxWait {
+		return fmt.Errorf("must be a duration from 1ms to %v", MaxMaxWait)
+	}
+	return nil
+}
+
 // shareRule: local_share, 0 < share ≤ 1.
 func shareRule(f float64) error {
 	if math.IsNaN(f) || f <= 0 || f > 1 {

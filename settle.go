@@ -214,7 +214,11 @@ func (req *request) adjustments(d *bucket.Decision, used int64, partial bool) (k
 			delta = max(delta, 0)
 		}
 		if delta != 0 {
-			keys, adj = append(keys, req.keys[i]), append(adj, bucket.Adjust{Spec: l.spec, Delta: delta})
+			a := bucket.Adjust{Spec: l.spec, Delta: delta}
+			if w := req.takes[i].Window; w != nil {
+				a.Window = w.ChargedIn(req.decidedAt, d.Buckets[i].FullMS)
+			}
+			keys, adj = append(keys, req.keys[i]), append(adj, a)
 		}
 	}
 	return keys, adj

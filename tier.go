@@ -2,6 +2,7 @@ package tokenbucket
 
 import (
 	"math"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -15,18 +16,19 @@ type tier struct {
 	name      string
 	nameValue any // name boxed once, for the tier placeholder
 	limits    []limit
-	policy    string // RateLimit-Policy of a request that applies every limit
+	policy    string // RateLimit-Policy of a request that applies every limit; "" when it has a quota (its w changes)
 }
 
 // limit is a Limit compiled for the request path.
 type limit struct {
 	dim        int // index into Handler.Dimensions
 	dimension  string
-	unit       string // "" for requests, "tokens" or "concurrent"
-	keyUnit    string // key suffix: unit, then ":shadow" for a shadow limit (its own bucket)
-	tokens     bool   // costs the request's cost rather than 1
-	concurrent bool   // a concurrency limit: slots leased while in flight
-	shadow     bool   // decided and charged, never enforced
+	unit       string        // "" for requests, "tokens" or "concurrent"
+	keyUnit    string        // key suffix: unit, then ":shadow" for a shadow limit (its own bucket)
+	tokens     bool          // costs the request's cost rather than 1
+	concurrent bool          // a concurrency limit: slots leased while in flight
+	shadow     bool          // decided and charged, never enforced
+	period     bucket.Period // a calendar quota's; 0 for a bucket
 	models     []string
 	scope      uint64  // scoped by models: the bit of its dimension and unit
 	keyScope   string  // scoped by models: the key suffix before the model's hash
@@ -34,7 +36,7 @@ type limit struct {
 	spec       bucket.Spec
 	local      bucket.Spec // spec scaled by local_share, for on_redis_error local
 	name       string      // header item name: the dimension, "-tokens" or "-concurrent" appended, "@" and the globs for a scoped limit
-	policy     string      // the RateLimit-Policy item, e.g. "user";q=10;w=60
+	policy     string      // the RateLimit-Policy item, e.g. "user";q=10;w=60; a quota's ends with "w=", its window's length is appended per request
 	dimValue   any         // dimension boxed once, for the dimension placeholder
 }
 
@@ -60,6 +62,11 @@ func compileTiers(dims []Dimension, tiers []Tier, defaultTier string, share floa
 				cl.unit, cl.concurrent, cl.name = UnitConcurrent, true, l.Dimension+"-concurrent"
 			}
 			cl.keyUnit = cl.unit
+			if l.Period != "" {
+				cl.period, _ = bucket.ParsePeriod(l.Period) // validated
+				cl.keyUnit = strings.TrimPrefix(cl.unit+":"+l.Period, ":")
+				cl.name += "-per-" + l.Period
+			}
 			if cl.shadow {
 				cl.keyUnit = strings.TrimPrefix(cl.unit+":shadow", ":")
 			}
@@ -72,10 +79,14 @@ func compileTiers(dims []Dimension, tiers []Tier, defaultTier string, share floa
 				cl.keyScope = strings.TrimPrefix(cl.keyUnit+":m:", ":")
 				cl.name += "@" + strings.Join(l.Models, "|")
 			}
-			if cl.concurrent {
+			switch {
+			case cl.concurrent:
 				cl.policy = `"` + cl.name + `";q=` + strconv.FormatInt(sfInteger(l.Capacity), 10) + `;qu="concurrent-requests"`
 				cl.local = bucket.ConcurrencySpec(localCapacity(l.Capacity, share))
-			} else {
+			case cl.period != 0:
+				cl.policy = `"` + cl.name + `";q=` + strconv.FormatInt(sfInteger(l.Capacity), 10) + ";w="
+				cl.local = bucket.QuotaSpec(localCapacity(l.Capacity, share))
+			default:
 				cl.policy = policyItem(cl.name, l.Capacity, l.RefillRate)
 				cl.local = localSpec(l, spec, share)
 			}
@@ -85,7 +96,9 @@ func compileTiers(dims []Dimension, tiers []Tier, defaultTier string, share floa
 		for i := range ct.limits {
 			all[i] = &ct.limits[i]
 		}
-		ct.policy = string(appendPolicy(nil, all))
+		if !slices.ContainsFunc(ct.limits, func(l limit) bool { return l.period != 0 }) {
+			ct.policy = string(appendPolicy(nil, all, nil))
+		}
 		byName[t.Name] = ct
 	}
 	deflt := byName[tiers[0].Name]

@@ -1,0 +1,100 @@
+package tokenbucket
+
+import (
+	"context"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/token-bucket/token_bucket/bucket"
+)
+
+// quotaWindows returns the windows of quotas of period p around now, in
+// quota_timezone: computed once per window and shared by every request in
+// it (the calendar arithmetic, with its time-zone rules, is not done per
+// request).
+func (h *Handler) quotaWindows(p bucket.Period, now time.Time) *bucket.Windows {
+	slot := &h.windows[p]
+	us := now.UnixMicro()
+	if w := slot.Load(); w != nil && w[1] <= us && us < w[2] {
+		return w
+	}
+	w := bucket.WindowsAt(p, h.quotaLoc, now)
+	slot.Store(&w)
+	return &w
+}
+
+// reserve prepares req for on_limit wait: when this gateway holds fewer
+// than max_waiting requests, it takes a place among them and lets req's
+// enforced token buckets make reservations of up to max_wait. It reports
+// whether it took a place; the caller gives it back unless the decision
+// holds the request (Decision.WaitMS > 0), and then after the wait.
+func (h *Handler) reserve(reqs ...*request) bool {
+	if h.maxWaitMS == 0 {
+		return false
+	}
+	if h.waiting.Add(1) > int64(h.MaxWaiting) {
+		h.waiting.Add(-1)
+		return false
+	}
+	for _, req := range reqs {
+		for i, l := range req.limits {
+			if !l.shadow && !l.concurrent && l.period == 0 {
+				req.takes[i].MaxWaitMS = h.maxWaitMS
+			}
+		}
+	}
+	return true
+}
+
+// retryAfterWait returns a denial under on_limit wait with each token
+// bucket's wait shortened by max_wait: a retry after that long is held
+// for at most max_wait and then served, so that is what Retry-After says
+// (and what the deny cache keeps, which so never denies a request that
+// Redis would hold).
+func (h *Handler) retryAfterWait(req *request, d bucket.Decision) bucket.Decision {
+	for i := range d.Buckets {
+		r, l := &d.Buckets[i], req.limits[i]
+		if r.Reason == bucket.RateLimited && !l.concurrent && l.period == 0 {
+			r.RetryAfterMS = max(1, r.RetryAfterMS-h.maxWaitMS)
+		}
+	}
+	return bucket.Summarize(d.Buckets)
+}
+
+// await holds an allowed request for its reservation's wait. It returns
+// false when the client went away meanwhile: then what the decision
+// charged is given back, once, and the request goes no further.
+func (h *Handler) await(x *exchange, v *verdict) bool {
+	defer h.waiting.Add(-1)
+	t := time.NewTimer(time.Duration(v.d.WaitMS) * time.Millisecond)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-x.r.Context().Done():
+	}
+	req := v.req
+	var keys []string
+	var takes []bucket.Take
+	for i, r := range v.d.Buckets {
+		if r.Reason == bucket.Allowed && req.takes[i].Cost > 0 {
+			keys, takes = append(keys, req.keys[i]), append(takes, req.takes[i])
+		}
+	}
+	// The client is gone: the refund is the gateway's own call.
+	err := h.conn.call(context.WithoutCancel(x.r.Context()), h.conn.timeout, func(ctx context.Context) error {
+		_, err := h.conn.store.(refunder).Refund(ctx, keys, takes)
+		return err
+	})
+	if err != nil {
+		h.logger.Warn("giving back the reservation of a client that left failed; its tokens stay charged", zap.Error(err))
+	}
+	return false
+}
+
+// refunder is a store that gives back what a decision charged:
+// bucket.Redis and bucket.Sharded.
+type refunder interface {
+	Refund(ctx context.Context, keys []string, takes []bucket.Take) (int64, error)
+}
