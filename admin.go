@@ -140,10 +140,13 @@ type tierInfo struct {
 }
 
 type limitInfo struct {
-	Dimension  string  `json:"dimension"`
-	Capacity   int64   `json:"capacity"`
-	RefillRate float64 `json:"refill_rate"`
-	Unit       string  `json:"unit"`
+	Dimension  string   `json:"dimension"`
+	Capacity   int64    `json:"capacity"`
+	RefillRate float64  `json:"refill_rate"`
+	Unit       string   `json:"unit"`
+	Period     string   `json:"period,omitempty"`
+	Models     []string `json:"models,omitempty"`
+	Shadow     bool     `json:"shadow,omitempty"`
 }
 
 func listHandlers() []handlerInfo {
@@ -159,7 +162,8 @@ func listHandlers() []handlerInfo {
 		for _, t := range h.Tiers {
 			ti := tierInfo{Name: t.Name, Limits: make([]limitInfo, 0, len(t.Limits))}
 			for _, l := range t.Limits {
-				ti.Limits = append(ti.Limits, limitInfo{Dimension: l.Dimension, Capacity: l.Capacity, RefillRate: l.RefillRate, Unit: l.unit()})
+				ti.Limits = append(ti.Limits, limitInfo{Dimension: l.Dimension, Capacity: l.Capacity, RefillRate: l.RefillRate, Unit: l.unit(),
+					Period: l.Period, Models: l.Models, Shadow: l.Shadow || h.Shadow})
 			}
 			hi.Tiers = append(hi.Tiers, ti)
 		}
@@ -177,6 +181,9 @@ type bucketParams struct {
 	// Model picks a limit scoped by models: the first whose globs match
 	// it, and its bucket for this model. Without it, the unscoped limit.
 	Model string `json:"model,omitempty"`
+	// Period picks a calendar quota ("day", "week", "month") of the
+	// dimension and unit rather than its bucket.
+	Period string `json:"period,omitempty"`
 	// Shadow picks the limit in shadow (its own bucket) rather than the
 	// enforced one of the same dimension and unit; implied when the
 	// handler puts every limit in shadow.
@@ -194,9 +201,17 @@ type bucketState struct {
 	Model     string `json:"model,omitempty"`
 	ID        string `json:"id"`
 	Key       string `json:"key"`
+	// Period is a calendar quota's ("day", "week", "month").
+	Period string `json:"period,omitempty"`
 	// Tokens is what the bucket holds; for a concurrency limit, its free
-	// slots (capacity minus the requests in flight).
-	Tokens     int64   `json:"tokens"`
+	// slots (capacity minus the requests in flight); for a quota, what is
+	// left of it in the current window.
+	Tokens int64 `json:"tokens"`
+	// Used is a quota's use in the current window.
+	Used *int64 `json:"used,omitempty"`
+	// ResetsAt is when a quota's window ends (RFC 3339, in
+	// quota_timezone).
+	ResetsAt   string  `json:"resets_at,omitempty"`
 	Capacity   int64   `json:"capacity"`
 	RefillRate float64 `json:"refill_rate"`
 	// MSUntilFull is the time until the bucket is full, rounded up to the
@@ -224,8 +239,11 @@ type bucketTarget struct {
 // take is a peek (cost 0) at the target's bucket.
 func (bt *bucketTarget) take() bucket.Take {
 	t := bucket.Take{Spec: bt.limit.spec}
-	if bt.limit.concurrent {
+	switch {
+	case bt.limit.concurrent:
 		t.Lease = bt.h.leaseMS
+	case bt.limit.period != 0:
+		t.Window = bt.h.quotaWindows(bt.limit.period, bt.h.now())
 	}
 	return t
 }
@@ -267,6 +285,11 @@ func (a *AdminAPI) bucket(w http.ResponseWriter, r *http.Request, reset bool) er
 		return apiError(http.StatusServiceUnavailable, "redis: reading the bucket: "+err.Error())
 	}
 	st.Handler, st.Tier, st.Dimension, st.Unit, st.Model = bt.index, bt.tier.name, bt.limit.dimension, unitName(bt.limit), bt.model
+	if l := bt.limit; l.period != 0 {
+		used := l.spec.Capacity - st.Tokens
+		st.Period, st.Used = l.period.String(), &used
+		st.ResetsAt = bt.h.now().Add(time.Duration(st.MSUntilFull) * time.Millisecond).In(bt.h.quotaLoc).Truncate(time.Second).Format(time.RFC3339)
+	}
 	st.ID, st.Key, st.Capacity, st.RefillRate, st.Deleted = keyID(bt.key), bt.key, bt.limit.spec.Capacity, bt.rate, deleted
 	return writeAdminJSON(w, st)
 }
@@ -305,7 +328,7 @@ func readBucketParams(r *http.Request) (bucketParams, error) {
 		}
 		p.Handler = &i
 	}
-	p.Tier, p.Dimension, p.Unit, p.Model = q.Get("tier"), q.Get("dimension"), q.Get("unit"), q.Get("model")
+	p.Tier, p.Dimension, p.Unit, p.Model, p.Period = q.Get("tier"), q.Get("dimension"), q.Get("unit"), q.Get("model"), q.Get("period")
 	p.Identity, p.ID = q.Get("identity"), q.Get("id")
 	switch v := q.Get("shadow"); v {
 	case "", "false":
@@ -356,7 +379,7 @@ func resolveBucket(p bucketParams) (*bucketTarget, error) {
 	}
 	for i := range bt.tier.limits {
 		l := &bt.tier.limits[i]
-		if l.dimension != p.Dimension || unitName(l) != unit || l.shadow != (p.Shadow || h.Shadow) {
+		if l.dimension != p.Dimension || unitName(l) != unit || l.shadow != (p.Shadow || h.Shadow) || periodName(l) != p.Period {
 			continue
 		}
 		if p.Model == "" && l.scope == 0 || p.Model != "" && l.scope != 0 && l.matches(p.Model) {
@@ -407,6 +430,13 @@ func (bt *bucketTarget) keyOf(identity string) string {
 
 func notBase64URL(r rune) bool {
 	return !(r >= 'A' && r <= 'Z' || r >= 'a' && r <= 'z' || r >= '0' && r <= '9' || r == '-' || r == '_')
+}
+
+func periodName(l *limit) string {
+	if l.period == 0 {
+		return ""
+	}
+	return l.period.String()
 }
 
 func unitName(l *limit) string {

@@ -81,7 +81,7 @@ func (h *Handler) decide(x *exchange) verdict {
 	held := h.reserve(req)
 	d, err := h.conn.take(x.r.Context(), req.keys, req.takes)
 	if held && (err != nil || d.WaitMS == 0) {
-		h.waiting.Add(-1) // not held after all
+		h.unwait() // not held after all
 	}
 	if err != nil {
 		return h.decideDegraded(x, err)
@@ -170,7 +170,7 @@ func (h *Handler) decideDemote(x *exchange, store bucket.Redis, id string) verdi
 		return err
 	})
 	if held && (err != nil || d.WaitMS == 0) {
-		h.waiting.Add(-1) // not held after all
+		h.unwait() // not held after all
 	}
 	if err != nil {
 		return h.decideDegraded(x, err)

@@ -46,7 +46,8 @@ type collectors struct {
 	// bucket decided the denial.
 	denials *prometheus.CounterVec
 	// charged counts tokens charged on allowed requests, per bucket, by
-	// tier, dimension and unit (requests or tokens).
+	// tier, dimension and unit (requests, tokens or concurrent; a calendar
+	// quota's as requests-per-day, tokens-per-month, ...).
 	charged *prometheus.CounterVec
 	// local counts the decisions made without Redis by on_redis_error:
 	// allowed (local store, or policy allow), denied (local store) or
@@ -69,6 +70,9 @@ type collectors struct {
 	// concurrency limit, taken through this process, by tier and
 	// dimension (Redis holds the count across gateways).
 	concurrent *prometheus.GaugeVec
+	// waiting is the requests this process holds on a reservation
+	// (on_limit wait).
+	waiting prometheus.Gauge
 	// settlements counts the settlements of LLM usage (settle) by
 	// outcome: settled (the usage was read and applied), not_reported (no
 	// usage in the response: the estimate stands), invalid (usage with a
@@ -149,6 +153,8 @@ func newCollectors() *collectors {
 		concurrent: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Subsystem: sub, Name: "concurrent_requests",
 			Help: "Requests in flight holding a slot of a concurrency limit (unit concurrent), taken through this process, by tier and dimension."},
 			[]string{"tier", "dimension"}),
+		waiting: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Subsystem: sub, Name: "waiting",
+			Help: "Requests held on a reservation by on_limit wait in this process, every handler together (each bounded by its max_waiting)."}),
 		settlements: counter("settlements_total",
 			"Settlements of LLM token usage after the response, by outcome (settled, not_reported, invalid, unreadable, failed).",
 			"outcome"),
@@ -178,7 +184,7 @@ func (m *collectors) register(reg *prometheus.Registry) error {
 		return nil
 	}
 	for _, c := range []prometheus.Collector{m.decisions, m.denials, m.charged, m.local,
-		m.redisDuration, m.redisErrors, m.breakerTransitions, m.breakerOpen, m.settlements, m.shadowDenials, m.concurrent} {
+		m.redisDuration, m.redisErrors, m.breakerTransitions, m.breakerOpen, m.settlements, m.shadowDenials, m.concurrent, m.waiting} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if errors.As(err, &are) && are.ExistingCollector == c {
@@ -309,6 +315,9 @@ func (h *Handler) provisionObservability(ctx caddy.Context) error {
 			unit := l.unit
 			if unit == "" {
 				unit = UnitRequests
+			}
+			if l.period != 0 {
+				unit += "-per-" + l.period.String() // a quota's charges apart from its unit's bucket
 			}
 			lm := limitMetrics{
 				denials: tbMetrics.denials.WithLabelValues(t.name, l.dimension),

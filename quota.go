@@ -37,6 +37,7 @@ func (h *Handler) reserve(reqs ...*request) bool {
 		h.waiting.Add(-1)
 		return false
 	}
+	tbMetrics.waiting.Inc()
 	for _, req := range reqs {
 		for i, l := range req.limits {
 			if !l.shadow && !l.concurrent && l.period == 0 {
@@ -66,7 +67,7 @@ func (h *Handler) retryAfterWait(req *request, d bucket.Decision) bucket.Decisio
 // false when the client went away meanwhile: then what the decision
 // charged is given back, once, and the request goes no further.
 func (h *Handler) await(x *exchange, v *verdict) bool {
-	defer h.waiting.Add(-1)
+	defer h.unwait()
 	t := time.NewTimer(time.Duration(v.d.WaitMS) * time.Millisecond)
 	defer t.Stop()
 	select {
@@ -91,6 +92,12 @@ func (h *Handler) await(x *exchange, v *verdict) bool {
 		h.logger.Warn("giving back the reservation of a client that left failed; its tokens stay charged", zap.Error(err))
 	}
 	return false
+}
+
+// unwait gives back a place among the requests held by on_limit wait.
+func (h *Handler) unwait() {
+	h.waiting.Add(-1)
+	tbMetrics.waiting.Dec()
 }
 
 // refunder is a store that gives back what a decision charged:
