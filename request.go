@@ -20,7 +20,7 @@ type request struct {
 	keys      []string
 	takes     []bucket.Take
 	limits    []*limit
-	tokensCap int64 // the smallest capacity of its tokens limits; -1: none
+	tokensCap int64 // the smallest capacity of its enforced tokens limits (of those in shadow when it has no other); -1: none
 	leases    int   // its concurrency limits
 	demoted   bool  // decided on a demotion's penalty tier, or demoted by this denial
 	decidedAt int64 // the gateway's clock (µs) when Redis was asked: which window a quota was charged in
@@ -204,7 +204,8 @@ func (h *Handler) buildRequest(in *inputs, t *tier) (*request, error) {
 func (h *Handler) bucketsOf(in *inputs, t *tier) *request {
 	req := newRequest(len(t.limits))
 	req.tokensCap = -1
-	var scoped uint64 // the dimensions and units whose scoped limit applies
+	shadowCap := int64(-1) // the same over tokens limits in shadow
+	var scoped uint64      // the dimensions and units whose scoped limit applies
 	for i := range t.limits {
 		l := &t.limits[i]
 		if l.scope != 0 && (scoped&l.scope != 0 || in.est.model == "" || !l.matches(in.est.model)) {
@@ -215,8 +216,15 @@ func (h *Handler) bucketsOf(in *inputs, t *tier) *request {
 			continue
 		}
 		take := bucket.Take{Spec: l.spec, Cost: 1, Shadow: l.shadow}
-		if l.tokens && (req.tokensCap < 0 || l.spec.Capacity < req.tokensCap) {
-			req.tokensCap = l.spec.Capacity
+		switch {
+		case l.tokens && l.shadow:
+			if shadowCap < 0 || l.spec.Capacity < shadowCap {
+				shadowCap = l.spec.Capacity
+			}
+		case l.tokens:
+			if req.tokensCap < 0 || l.spec.Capacity < req.tokensCap {
+				req.tokensCap = l.spec.Capacity
+			}
 		}
 		switch {
 		case l.concurrent:
@@ -235,6 +243,11 @@ func (h *Handler) bucketsOf(in *inputs, t *tier) *request {
 		req.keys = append(req.keys, key)
 		req.takes = append(req.takes, take)
 		req.limits = append(req.limits, l)
+	}
+	if req.tokensCap < 0 {
+		// Only limits in shadow: they cap the estimate as if enforced. A
+		// limit in shadow beside enforced ones never changes their charge.
+		req.tokensCap = shadowCap
 	}
 	return req
 }
