@@ -168,8 +168,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			var v string
 			if v, err = oneArg(d); err == nil {
 				dur, perr := caddy.ParseDuration(v)
-				if perr != nil || durationRule(dur) != nil {
-					return d.Errf("invalid concurrency_lease %q: %v", v, errDuration)
+				if perr != nil || leaseRule(dur) != nil {
+					return d.Errf("invalid concurrency_lease %q: %v", v, leaseRule(0))
 				}
 				h.ConcurrencyLease = caddy.Duration(dur)
 			}
@@ -486,6 +486,16 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 				return argErr(d, opt, args, "no arguments")
 			}
 			h.Redis.TLS = true
+		case "pipeline":
+			v, err := oneArg(d)
+			if err != nil {
+				return err
+			}
+			if v != "on" && v != "off" {
+				return d.Errf("invalid redis pipeline %q: must be on or off", v)
+			}
+			on := v == "on"
+			h.Redis.Pipeline = &on
 		case "timeout", "breaker_cooldown":
 			v, err := oneArg(d)
 			if err != nil {

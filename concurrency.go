@@ -55,7 +55,9 @@ func (h *Handler) holdSlots(v *verdict) *slots {
 		return nil
 	}
 	if !s.local {
+		s.mu.Lock() // renew reads the timer under the lock
 		s.timer = time.AfterFunc(h.renewEvery(), s.renew)
+		s.mu.Unlock()
 	}
 	return s
 }

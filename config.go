@@ -183,6 +183,26 @@ func (h *Handler) compile() error {
 	return nil
 }
 
+// reservationsExact checks that every token bucket stays exact with
+// on_limit wait: a reservation takes it below zero by up to what refills
+// in max_wait, and that debt and the capacity must stay below 2^53 units.
+func (h *Handler) reservationsExact() error {
+	wait := time.Duration(h.MaxWait).Microseconds()
+	for i, t := range h.Tiers {
+		for j, l := range t.Limits {
+			spec, err := l.spec()
+			if err != nil || l.Period != "" || l.Unit == UnitConcurrent {
+				continue // reported by Tier.validate, or never reserves
+			}
+			if spec.Refill > (bucket.MaxExact-spec.CapacityUnits())/wait {
+				return fmt.Errorf("tiers[%d].limits[%d]: tier %q, dimension %q: refill_rate %v with max_wait %v cannot be computed exactly (the debt of what refills in max_wait exceeds 2^53 units); lower max_wait",
+					i, j, t.Name, l.Dimension, l.RefillRate, time.Duration(h.MaxWait))
+			}
+		}
+	}
+	return nil
+}
+
 // modelPlaceholder is the request's model, set when its body is read.
 const modelPlaceholder = "{http.token_bucket.model}"
 
@@ -283,7 +303,7 @@ func (h *Handler) validate() error {
 			}
 		}
 	}
-	if err := durationRule(time.Duration(h.ConcurrencyLease)); h.ConcurrencyLease != 0 && err != nil {
+	if err := leaseRule(time.Duration(h.ConcurrencyLease)); h.ConcurrencyLease != 0 && err != nil {
 		return fmt.Errorf("concurrency_lease %v: %v", time.Duration(h.ConcurrencyLease), err)
 	}
 	if h.QuotaTimezone != "" {
@@ -299,6 +319,9 @@ func (h *Handler) validate() error {
 	case LimitWait:
 		if err := maxWaitRule(time.Duration(h.MaxWait)); err != nil {
 			return fmt.Errorf("max_wait %v: %v", time.Duration(h.MaxWait), err)
+		}
+		if err := h.reservationsExact(); err != nil {
+			return err
 		}
 	default:
 		return fmt.Errorf("on_limit %q: must be reject or wait", h.OnLimit)

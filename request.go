@@ -21,6 +21,7 @@ type request struct {
 	takes     []bucket.Take
 	limits    []*limit
 	tokensCap int64 // the smallest capacity of its enforced tokens limits (of those in shadow when it has no other); -1: none
+	allCap    int64 // the smallest capacity of all its tokens limits, those in shadow included; -1: none
 	leases    int   // its concurrency limits
 	demoted   bool  // decided on a demotion's penalty tier, or demoted by this denial
 	decidedAt int64 // the gateway's clock (µs) when Redis was asked: which window a quota was charged in
@@ -146,8 +147,8 @@ func (in *inputs) readCost(h *Handler) error {
 	} else {
 		in.cost, in.costErr = parseCost(in.repl.ReplaceAll(h.Cost, ""))
 	}
-	if in.est.model != "" {
-		in.repl.Set("http.token_bucket.model", in.est.model)
+	if h.Estimate != nil {
+		in.repl.Set("http.token_bucket.model", in.est.model) // "" without a model
 	}
 	return in.costErr
 }
@@ -244,16 +245,21 @@ func (h *Handler) bucketsOf(in *inputs, t *tier) *request {
 		req.takes = append(req.takes, take)
 		req.limits = append(req.limits, l)
 	}
+	req.allCap = req.tokensCap
+	if shadowCap >= 0 && (req.allCap < 0 || shadowCap < req.allCap) {
+		req.allCap = shadowCap
+	}
 	if req.tokensCap < 0 {
-		// Only limits in shadow: they cap the estimate as if enforced. A
-		// limit in shadow beside enforced ones never changes their charge.
 		req.tokensCap = shadowCap
 	}
 	return req
 }
 
-// price sets the cost of req's tokens limits. It fails only on an invalid
-// cost or body.
+// price sets the cost of req's tokens limits. The estimate's cap (see
+// tokenEstimate.cost) is the enforced limits' smallest capacity: a limit
+// in shadow beside them never changes their charge. A limit in shadow is
+// charged as if every limit were enforced, capped by the smallest of them
+// all. It fails only on an invalid cost or body.
 func (h *Handler) price(in *inputs, req *request) error {
 	if req.tokensCap < 0 {
 		return nil
@@ -262,8 +268,15 @@ func (h *Handler) price(in *inputs, req *request) error {
 	if err != nil {
 		return err
 	}
+	sc := c
+	if h.Estimate != nil && req.allCap < req.tokensCap {
+		sc = in.est.cost(req.allCap)
+	}
 	for i, l := range req.limits {
-		if l.tokens {
+		switch {
+		case l.tokens && l.shadow:
+			req.takes[i].Cost = sc
+		case l.tokens:
 			req.takes[i].Cost = c
 		}
 	}

@@ -57,6 +57,15 @@ func durationRule(d time.Duration) error {
 	return nil
 }
 
+// leaseRule: concurrency_lease, at least 1ms (leases are counted in
+// milliseconds on the Redis clock).
+func leaseRule(d time.Duration) error {
+	if d < time.Millisecond {
+		return errors.New("must be a duration of at least 1ms")
+	}
+	return nil
+}
+
 // maxWaitRule: max_wait, 1ms to MaxMaxWait.
 func maxWaitRule(d time.Duration) error {
 	if d < time.Millisecond || d > MaxMaxWait {

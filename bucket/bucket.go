@@ -136,7 +136,7 @@ type Take struct {
 // deficit d units is reservable when d ≤ MaxWaitMS·1000·refill, that is
 // exactly when ⌈d / (1000·refill)⌉ ≤ MaxWaitMS.
 func (t Take) reserves(wait int64) bool {
-	return t.MaxWaitMS > 0 && t.Lease == 0 && t.Window == nil && wait <= t.MaxWaitMS
+	return t.MaxWaitMS > 0 && !t.Shadow && t.Lease == 0 && t.Window == nil && wait <= t.MaxWaitMS
 }
 
 // QuotaSpec is the Spec of a calendar quota of n tokens: scale 1, no

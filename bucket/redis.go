@@ -82,7 +82,7 @@ func appendArgs(args []any, takes []Take) []any {
 		switch {
 		case t.Window != nil:
 			b = appendFloats(b, t.Window[0], t.Window[1], t.Window[2], t.Window[3])
-		case t.MaxWaitMS > 0 && t.Lease == 0:
+		case t.MaxWaitMS > 0 && !t.Shadow && t.Lease == 0:
 			b = appendFloats(b, t.MaxWaitMS)
 		}
 		v.n = uint8(len(b))

@@ -85,12 +85,15 @@ func clampDelta(a Adjust) int64 {
 // charging (delta > 0) or giving back (delta < 0) delta tokens at now, and
 // whether the bucket is kept (false: full, its key is deleted). The bucket,
 // refilled to now, goes down by the charge (or up by the refund) exactly,
-// floored at minus one capacity (the deepest debt) and capped at full.
+// floored at minus one capacity (the deepest debt a settlement makes), or
+// at the deeper debt of reservations the bucket already holds, and capped
+// at full.
 func SettleState(now int64, s Spec, st State, delta int64) (State, bool) {
 	units := refill(now, s, st)
 	last := max(now, st.Last)
+	least := min(units, -s.CapacityUnits())
 	units -= clampDelta(Adjust{Spec: s, Delta: delta})
-	units = max(units, -s.CapacityUnits())
+	units = max(units, least)
 	if units >= s.CapacityUnits() {
 		return s.Full(), false
 	}

@@ -69,7 +69,14 @@ func WindowsAt(p Period, loc *time.Location, t time.Time) Windows {
 	}
 	var w Windows
 	for i := range w {
-		w[i] = start(i - 1).UnixMicro()
+		s := start(i - 1)
+		if s.Hour() > 12 {
+			// 00:00 fell in a daylight-saving gap (clocks that spring
+			// forward at midnight, as in America/Santiago): time.Date gave
+			// the hour before it; the day starts where the gap ends.
+			_, s = s.ZoneBounds()
+		}
+		w[i] = s.UnixMicro()
 	}
 	return w
 }
@@ -90,8 +97,9 @@ func (w Windows) At(now int64) (start, end int64) {
 // ChargedIn returns the start of the window that a decision charged, from
 // its FullMS (the milliseconds the script saw left in that window) and
 // the gateway's clock at the decision (µs): the window whose end is
-// nearest to decidedAt + FullMS. Windows are a day or more apart, so the
-// answer is the script's own for any clock skew under half a day.
+// nearest to decidedAt + FullMS. Window ends are at least 23 hours apart,
+// so the answer is the script's own for any clock skew under half the
+// shortest window (11.5 hours).
 func (w Windows) ChargedIn(decidedAt, fullMS int64) int64 {
 	end := decidedAt + fullMS*1000
 	best := 1

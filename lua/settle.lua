@@ -13,9 +13,10 @@ ARGV[1]  the marker's TTL in milliseconds.
 ARGV[i]  (i >= 2) bucket i's parameters as in token_bucket.lua, the cost
          being the units to charge (> 0) or give back (< 0). A charge may
          take the bucket below zero: the debt blocks later requests until
-         refill repays it; it is floored at minus one capacity (the caller
-         bounds the cost to two capacities either way, which reaches the
-         floor and full from anywhere). A bucket given back up to full is
+         refill repays it; it is floored at minus one capacity, or at the
+         deeper debt that reservations (on_limit wait) left it in (the
+         caller bounds the cost to two capacities either way, which
+         reaches the floor and full from anywhere). A bucket given back up to full is
          deleted. A calendar quota's ARGV adds 8 bytes, struct.pack('<d',
          window_start): the window it was charged in; its units used go
          up or down by the cost, between 0 and two amounts, in that window
@@ -68,8 +69,12 @@ for i = 2, #KEYS do
     end
   else
   if now > last then last = now end
+  -- The debt floor: one capacity, or the deeper debt of reservations
+  -- (on_limit wait) that the bucket already holds.
+  local least = -cap
+  if u < least then least = u end
   u = u - delta
-  if u < -cap then u = -cap end
+  if u < least then u = least end
   if u >= cap then
     call('DEL', key)
   else
