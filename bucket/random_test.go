@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 
@@ -293,3 +294,367 @@ func settleBoth(t *testing.T, rdb *redis.Client, now int64, step int, keys []str
 // settleClock is settle.lua with its clock driven by the last two ARGV.
 var settleClock = redis.NewScript(strings.Replace(lua.SettleSource, lua.ClockLine,
 	"local clock = {ARGV[#ARGV - 1], ARGV[#ARGV]}", 1))
+
+// reserveSpec draws a limit that refills within seconds to hours, often
+// fast enough for a reservation of at most a minute, sometimes not.
+func reserveSpec(t *testing.T, r *rand.Rand) Spec {
+	rates := []string{"1/s", "10/s", "5/500ms", "2.5/s", "0.5/s", "60/m", "7/2s", "0.17/s", "1/m", "1/h"}
+	text := rates[r.IntN(len(rates))]
+	rate, err := ParseRate(text)
+	if err != nil {
+		t.Fatalf("rate %q: %v", text, err)
+	}
+	capacity := []int64{1, 2, 5, 10}[r.IntN(4)]
+	spec, err := Limit{Capacity: capacity, Rate: rate}.Spec()
+	if err != nil {
+		t.Fatalf("capacity %d, rate %q: %v", capacity, text, err)
+	}
+	return spec
+}
+
+// TestLuaMatchesModelQuotaReserve drives the Lua scripts in a real Redis,
+// the Go model and the Local store through the same random steps with
+// calendar quotas (a UTC day, a New York day, a New York week and a
+// Berlin month, of random amounts that an operator changes now and then)
+// and token buckets taken with reservations (random MaxWaitMS, shadow at
+// random, quotas given a MaxWaitMS too, which they must ignore). Each of
+// seven episodes starts a few hours before a month's end, a leap day or a
+// daylight-saving change, with fresh keys; the clock moves by
+// microseconds to days, jumps to a millisecond either side of a window's
+// end, and steps back; the gateway that computes the windows has a clock
+// off by up to two hours, and now and then by up to 40 days (Redis's
+// clock outside its windows). Between requests come settlements
+// (Redis.Settle) of quotas, in a random window, and of buckets, and
+// refunds (Redis.Refund) of random takes; these run the production
+// scripts with the clock driven, and PERSIST what they write so that no
+// TTL lapses in real time. At every step the decision (WaitMS,
+// ShadowDenied and each result's Shadow included) and the stored state of
+// every key agree, a charged key is written with a TTL of exactly its
+// FullMS (pxProbe) and an uncharged one not at all, and the Local store
+// decides and stores the same.
+func TestLuaMatchesModelQuotaReserve(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	seed := uint64(20261201)
+	r := rand.New(rand.NewPCG(seed, seed))
+	clock := &drivenClock{rdb: rdb, persist: true}
+	store := Redis{Client: clock}
+	local := NewLocal(1000, func() time.Time { return time.UnixMicro(clock.now) })
+	ny, berlin := zone(t, "America/New_York"), zone(t, "Europe/Berlin")
+
+	type quota struct {
+		p      Period
+		loc    *time.Location
+		amount int64
+	}
+	amounts := []int64{1, 3, 10, 100, 1000}
+	episodes := []string{
+		"2026-01-31T20:00:00Z",      // January's end, February of 28 days
+		"2026-03-07T18:00:00-05:00", // New York's 23-hour day
+		"2026-03-28T18:00:00+01:00", // Berlin's change, in its March of 743 hours
+		"2026-10-24T18:00:00+02:00", // Berlin's change, in its October of 745 hours
+		"2026-10-31T18:00:00-04:00", // New York's 25-hour day, the 169-hour week
+		"2027-12-31T18:00:00Z",      // a new year
+		"2028-02-28T18:00:00Z",      // a leap day
+	}
+	const stepsPer = 800
+	var allowed, denied, quotaCharged, quotaDenied, quotaNewWindow, quotaOver int
+	var reservations, reservationsDenied, refunded, quotaSettled, quotaSettleSkipped, quotaDST, quotaOutside int
+	step := 0
+	for e, start := range episodes {
+		quotas := []quota{{Day, time.UTC, 0}, {Day, ny, 0}, {Week, ny, 0}, {Month, berlin, 0}}
+		for i := range quotas {
+			quotas[i].amount = amounts[r.IntN(len(amounts))]
+		}
+		specs := []Spec{reserveSpec(t, r), reserveSpec(t, r)}
+		var keys []string
+		for i := 0; i < len(specs)+len(quotas); i++ {
+			keys = append(keys, fmt.Sprintf("rq:{x}:%d:%d", e, i))
+		}
+		model := map[string]State{}
+		syncLocal := func(ks ...string) {
+			for _, k := range ks {
+				if st, ok := model[k]; ok {
+					local.lru.Add(k, st)
+				} else {
+					local.lru.Remove(k)
+				}
+			}
+		}
+		// checkKeys requires every key in ks to hold the model's state.
+		checkKeys := func(where string, ks []string) {
+			t.Helper()
+			for _, k := range ks {
+				v, err := rdb.Get(ctx, k).Result()
+				if err != nil && err != redis.Nil {
+					t.Fatal(err)
+				}
+				wantVal := ""
+				if st, ok := model[k]; ok {
+					wantVal = EncodeState(st)
+				}
+				if v != wantVal {
+					got, _ := DecodeState(v)
+					t.Fatalf("%s: %s holds %+v, model %+v", where, k, got, model[k])
+				}
+			}
+		}
+		now := instant(t, start).UnixMicro()
+		for n := 0; n < stepsPer; n, step = n+1, step+1 {
+			switch x := r.IntN(100); {
+			case x < 25: // same microsecond
+			case x < 65:
+				now += r.Int64N(300_000)
+			case x < 75:
+				now += r.Int64N(5_000_000)
+			case x < 80:
+				now += r.Int64N(3_600_000_000)
+			case x < 84:
+				now += r.Int64N(2 * 86_400_000_000)
+			case x < 96: // a millisecond either side of a window's end
+				q := quotas[r.IntN(len(quotas))]
+				w := WindowsAt(q.p, q.loc, time.UnixMicro(now))
+				now = w[2] + r.Int64N(2001) - 1000
+			case x < 99: // the Redis clock stepped back
+				now -= r.Int64N(5_000_000)
+			default: // far back, across a window's start
+				now -= r.Int64N(3_600_000_000)
+			}
+			if r.IntN(200) == 0 {
+				specs[r.IntN(len(specs))] = reserveSpec(t, r)
+			}
+			if r.IntN(200) == 0 {
+				quotas[r.IntN(len(quotas))].amount = amounts[r.IntN(len(amounts))]
+			}
+			gw := now
+			switch x := r.IntN(10); {
+			case x >= 9 && r.IntN(5) == 0: // off by up to 40 days: Redis's clock outside the windows
+				gw += r.Int64N(80*86_400_000_001) - 40*86_400_000_000
+			case x >= 9:
+				gw += r.Int64N(4*3_600_000_001) - 2*3_600_000_000
+			case x >= 7:
+				gw += r.Int64N(2_000_001) - 1_000_000
+			}
+			clock.now = now
+			where := fmt.Sprintf("episode %d step %d at %s (gateway %s)", e, n,
+				time.UnixMicro(now).UTC().Format(time.RFC3339Nano), time.UnixMicro(gw).UTC().Format(time.RFC3339Nano))
+
+			// A request's takes on a random subset of the keys.
+			draw := func() ([]string, []Take) {
+				var ks []string
+				var takes []Take
+				for _, i := range r.Perm(len(keys))[:1+r.IntN(len(keys))] {
+					var tk Take
+					if i < len(specs) {
+						s := specs[i]
+						tk = Take{Spec: s, Cost: r.Int64N(min(s.Capacity, 3) + 1)}
+						if x := r.IntN(10); x < 4 {
+							tk.Cost = r.Int64N(s.Capacity + 1)
+						} else if x == 4 {
+							tk.Cost = r.Int64N(s.Capacity + 2)
+						}
+						switch x := r.IntN(10); {
+						case x < 4:
+						case x < 6:
+							tk.MaxWaitMS = []int64{1, 100, 1000, 10_000, 60_000}[r.IntN(5)]
+						default:
+							tk.MaxWaitMS = 1 + r.Int64N(60_000)
+						}
+					} else {
+						q := quotas[i-len(specs)]
+						w := WindowsAt(q.p, q.loc, time.UnixMicro(gw))
+						tk = Take{Spec: QuotaSpec(q.amount), Cost: r.Int64N(min(q.amount, 3) + 1), Window: &w}
+						if r.IntN(10) == 0 {
+							tk.Cost = r.Int64N(q.amount + 2)
+						}
+						if r.IntN(5) == 0 {
+							tk.MaxWaitMS = 1 + r.Int64N(100_000_000)
+						}
+					}
+					tk.Shadow = r.IntN(6) == 0
+					ks, takes = append(ks, keys[i]), append(takes, tk)
+				}
+				return ks, takes
+			}
+
+			switch op := r.IntN(100); {
+			case op < 4: // a quota's settlement, in a random window
+				i := r.IntN(len(quotas))
+				q, k := quotas[i], keys[len(specs)+i]
+				st, ok := model[k]
+				w := WindowsAt(q.p, q.loc, time.UnixMicro(gw))
+				window := w[r.IntN(4)]
+				if ok && r.IntN(3) != 0 {
+					window = st.Last
+				}
+				adj := Adjust{Spec: QuotaSpec(q.amount), Delta: r.Int64N(6*q.amount+3) - 3*q.amount - 1, Window: window}
+				settled, err := store.Settle(ctx, fmt.Sprint("q", step), []string{k}, []Adjust{adj})
+				if err != nil || !settled {
+					t.Fatalf("%s: settle: %v %v", where, settled, err)
+				}
+				if ok && st.Last == window {
+					st.Units = max(0, min(st.Units+clampDelta(adj), 2*q.amount))
+					model[k] = st
+					quotaSettled++
+				} else {
+					quotaSettleSkipped++
+				}
+				checkKeys(where+": quota settlement", []string{k})
+				syncLocal(k)
+				continue
+			case op < 8: // a token bucket's settlement
+				i := r.IntN(len(specs))
+				s, k := specs[i], keys[i]
+				delta := r.Int64N(6*s.Capacity+3) - 3*s.Capacity - 1 // past both bounds
+				settled, err := store.Settle(ctx, fmt.Sprint("b", step), []string{k}, []Adjust{{Spec: s, Delta: delta}})
+				if err != nil || !settled {
+					t.Fatalf("%s: settle: %v %v", where, settled, err)
+				}
+				st, ok := model[k]
+				if !ok {
+					st = s.Full()
+				}
+				if st, keep := SettleState(now, s, st, delta); keep {
+					model[k] = st
+				} else {
+					delete(model, k)
+				}
+				checkKeys(where+": bucket settlement", []string{k})
+				syncLocal(k)
+				continue
+			case op < 15: // a refund
+				ks, takes := draw()
+				got, err := store.Refund(ctx, ks, takes)
+				if err != nil {
+					t.Fatalf("%s: refund: %v", where, err)
+				}
+				var want int64
+				for j, k := range ks {
+					tk := takes[j]
+					st, ok := model[k]
+					if !ok || tk.Cost == 0 {
+						continue
+					}
+					if tk.Window != nil {
+						if start, _ := tk.Window.At(now); st.Last == start {
+							st.Units = max(0, st.Units-tk.costUnits())
+							model[k] = st
+							want++
+						}
+						continue
+					}
+					u := min(refill(now, tk.Spec, st)+tk.costUnits(), tk.Spec.CapacityUnits())
+					if u >= tk.Spec.CapacityUnits() {
+						delete(model, k)
+					} else {
+						model[k] = State{Units: u, Scale: tk.Spec.Scale, Last: max(now, st.Last)}
+					}
+					want++
+				}
+				if got != want {
+					t.Fatalf("%s: refund of %+v: %d refunded, model %d", where, takes, got, want)
+				}
+				refunded += int(want)
+				checkKeys(where+": refund", ks)
+				syncLocal(ks...)
+				continue
+			}
+
+			ks, takes := draw()
+			got, vals, px, err := stepPX(ctx, rdb, now, ks, takes)
+			if err != nil {
+				t.Fatalf("%s: %v", where, err)
+			}
+			states := make([]State, len(ks))
+			prior := make([]State, len(ks))
+			had := make([]bool, len(ks))
+			for j, k := range ks {
+				st, ok := model[k]
+				if !ok {
+					st = takes[j].Spec.Full()
+				}
+				states[j], prior[j], had[j] = st, st, ok
+			}
+			charged := make([]bool, len(ks))
+			want := Decide(now, takes, states, charged)
+			for j, k := range ks {
+				if charged[j] {
+					model[k] = states[j]
+				}
+			}
+			if fmt.Sprint(got) != fmt.Sprint(want) {
+				t.Fatalf("%s: takes %+v\nlua   %+v\nmodel %+v", where, takes, got, want)
+			}
+			loc, err := local.Take(ctx, ks, takes)
+			if err != nil || fmt.Sprint(loc) != fmt.Sprint(want) {
+				t.Fatalf("%s: takes %+v\nlocal %+v (%v)\nmodel %+v", where, takes, loc, err, want)
+			}
+			for j, k := range ks {
+				wantVal := ""
+				if st, ok := model[k]; ok {
+					wantVal = EncodeState(st)
+				}
+				if vals[j] != wantVal {
+					st, _ := DecodeState(vals[j])
+					t.Fatalf("%s: %s (charged %v) holds %+v, model %+v", where, k, charged[j], st, model[k])
+				}
+				if st, ok := local.lru.Peek(k); ok != (wantVal != "") || (ok && st != model[k]) {
+					t.Fatalf("%s: local %s holds %+v (%v), model %+v", where, k, st, ok, model[k])
+				}
+				checkPX(t, where, k, charged[j], px[j], want.Buckets[j].FullMS)
+			}
+			if want.Allowed {
+				allowed++
+			} else {
+				denied++
+			}
+			for j, res := range want.Buckets {
+				tk := takes[j]
+				if tk.Window != nil && (now < tk.Window[0] || now >= tk.Window[3]) {
+					quotaOutside++
+				}
+				switch {
+				case tk.Window != nil && charged[j]:
+					quotaCharged++
+					start, end := tk.Window.At(now)
+					if had[j] && prior[j].Last != start {
+						quotaNewWindow++
+					}
+					if (end-start)%86_400_000_000 != 0 {
+						quotaDST++ // a 23- or 25-hour day, a 167- or 169-hour week, ...
+					}
+				case tk.Window != nil && res.Reason == RateLimited:
+					quotaDenied++
+					if res.Remaining < 0 {
+						quotaOver++
+					}
+				case tk.Window == nil && charged[j] && res.RetryAfterMS > 0:
+					reservations++
+				case tk.Window == nil && tk.MaxWaitMS > 0 && res.Reason == RateLimited:
+					reservationsDenied++
+				}
+			}
+		}
+	}
+	t.Logf("%d steps: %d allowed, %d denied; quotas: %d charged (%d in a new window, %d in a window with a daylight-saving change), %d denied (%d over the amount), %d outside the windows, %d settled, %d settlements skipped; %d reservations, %d denied past max wait; %d refunded",
+		step, allowed, denied, quotaCharged, quotaNewWindow, quotaDST, quotaDenied, quotaOver, quotaOutside, quotaSettled, quotaSettleSkipped, reservations, reservationsDenied, refunded)
+	// The draw must exercise every path, or the test proves little.
+	for _, c := range []struct {
+		what     string
+		got, min int
+	}{
+		{"allowed requests", allowed, step / 5}, {"denied requests", denied, step / 10},
+		{"quota charges", quotaCharged, step / 10}, {"quota charges in a new window", quotaNewWindow, step / 100},
+		{"quota charges in a window with a daylight-saving change", quotaDST, step / 50},
+		{"quota denials", quotaDenied, step / 20}, {"quotas over their amount", quotaOver, 10},
+		{"quota takes outside the windows", quotaOutside, 20},
+		{"quota settlements", quotaSettled, 20}, {"skipped quota settlements", quotaSettleSkipped, 20},
+		{"reservations", reservations, step / 40}, {"reservations past max wait", reservationsDenied, step / 50},
+		{"refunds", refunded, step / 20},
+	} {
+		if c.got < c.min {
+			t.Errorf("%d %s, want at least %d: the random steps do not exercise them", c.got, c.what, c.min)
+		}
+	}
+}
