@@ -486,16 +486,6 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 				return argErr(d, opt, args, "no arguments")
 			}
 			h.Redis.TLS = true
-		case "pipeline":
-			v, err := oneArg(d)
-			if err != nil {
-				return err
-			}
-			if v != "on" && v != "off" {
-				return d.Errf("invalid redis pipeline %q: must be on or off", v)
-			}
-			on := v == "on"
-			h.Redis.Pipeline = &on
 		case "timeout", "breaker_cooldown":
 			v, err := oneArg(d)
 			if err != nil {
