@@ -247,6 +247,10 @@ func perfCheckKeys(b *testing.B, c *redis.Client, prefix string, dims int) {
 //   - allow_1_bucket, allow_3_buckets: allowed decisions on one bucket and
 //     on three (user, API key, IP; one script call), with capacities no
 //     benchmark can drain, so every iteration is allowed;
+//   - allow_3_buckets+shadow, +quota, +concurrent: the same with a fourth
+//     limit: a bucket in shadow, a monthly quota, or a concurrency limit
+//     (its slot taken by the decision and released after next, a second
+//     script call);
 //   - deny_redis: a denial decided by Redis (deny_cache off);
 //   - deny_cached: the same denial answered from the in-process deny cache.
 func BenchmarkDecision(b *testing.B) {
@@ -262,6 +266,8 @@ func BenchmarkDecision(b *testing.B) {
 		return ls
 	}
 	empty := []Limit{{Dimension: "user", Capacity: 1, RefillRate: 1.0 / 86400}}
+	// with returns huge("user", "api_key", "ip") and one more limit.
+	with := func(l Limit) []Limit { return append(huge("user", "api_key", "ip"), l) }
 	for _, bc := range []struct {
 		name      string
 		limits    []Limit // nil: no limiter
@@ -271,6 +277,9 @@ func BenchmarkDecision(b *testing.B) {
 		{"baseline", nil, 0, http.StatusOK},
 		{"allow_1_bucket", huge("user"), 0, http.StatusOK},
 		{"allow_3_buckets", huge("user", "api_key", "ip"), 0, http.StatusOK},
+		{"allow_3_buckets+shadow", with(Limit{Dimension: "user", Capacity: 1 << 50, RefillRate: 1e6, Shadow: true}), 0, http.StatusOK},
+		{"allow_3_buckets+quota", with(Limit{Dimension: "user", Capacity: 1 << 50, Period: "month"}), 0, http.StatusOK},
+		{"allow_3_buckets+concurrent", with(Limit{Dimension: "user", Capacity: 1 << 50, Unit: UnitConcurrent}), 0, http.StatusOK},
 		{"deny_redis", empty, -1, http.StatusTooManyRequests},
 		{"deny_cached", empty, 0, http.StatusTooManyRequests},
 	} {
