@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # scripts/bench.sh: the benchmark suite (make bench), on 127.0.0.1, in
-# under 10 minutes on a 2-core machine (the first build of bin/caddy is
+# under 10 minutes on a 2-core machine (the first build of bin/caddy-bench is
 # extra). Three phases, each optional:
 #
 #   go     go test -bench over the root package and bucket/: the model,
@@ -9,16 +9,30 @@
 #          other benchmark there, with -benchmem; medians of BENCH_GO_COUNT
 #          runs
 #   redis  scripts/scriptstats: Redis-side µs per call of each script path
-#          (INFO commandstats) and one caller's round trips against PING
+#          (INFO commandstats) and one caller's round trips against PING;
+#          in the same turns the peers (go-redis/redis_rate v10, one AllowN
+#          per dimension; a hash-based token bucket script, one call per
+#          dimension) and the floor (one PING per decision), compared in
+#          decisions/s and Redis CPU per decision; and FCALL of the same
+#          code loaded with FUNCTION LOAD against EVALSHA
 #   instr  instructions redis-server executes per call of each script path
 #          (valgrind --tool=callgrind, scriptstats -only): the difference
 #          between BENCH_INSTR_CALLS and 200 calls, over their difference;
-#          unlike time, a count that the machine's load does not move
-#   http   wrk against bin/caddy (bench/e2e.Caddyfile): (a) respond,
+#          unlike time, a count that the machine's load does not move; also
+#          per decision of the peers and the floor, and per FCALL
+#   http   wrk against bin/caddy-bench (bench/e2e.Caddyfile): (a) respond,
 #          (b) token_bucket allowed, (c) denied from the deny cache,
-#          (d) token_bucket + reverse_proxy, (e) reverse_proxy alone; the
-#          configurations alternate for BENCH_ROUNDS rounds, medians and
-#          ratios are reported
+#          (d) token_bucket + reverse_proxy, (e) reverse_proxy alone,
+#          (f) mholt/caddy-ratelimit (in memory), (g) the floor: one
+#          go-redis PING per request (bench/pingfloor); the configurations
+#          alternate for BENCH_ROUNDS rounds, medians and ratios are
+#          reported, every configuration against (a), (f) and (g)
+#
+# bin/caddy-bench is bin/caddy's xcaddy build (scripts/build-caddy.sh
+# --print-xcaddy) plus two plugins for the benchmark only: bench/pingfloor
+# and github.com/mholt/caddy-ratelimit@BENCH_RATELIMIT_VERSION. It is cached
+# as bin/caddy is; the product's bin/caddy, which the tests use, is neither
+# built nor changed here.
 #
 # Every process it starts (redis-server, Caddy) runs on a free loopback
 # port and is stopped on exit. redis-server and wrk are installed with
@@ -37,7 +51,9 @@
 # (". ./bucket": every benchmark of the two packages), BENCH_ROUNDS (3),
 # BENCH_DURATION (10, seconds per wrk run), BENCH_THREADS (2),
 # BENCH_CONNECTIONS (50), BENCH_PIN (1), BENCH_CALLS (100000, scriptstats
-# calls per path), BENCH_INSTR_CALLS (1200), BENCH_OUT.
+# calls per path), BENCH_SAMPLES (20000, scriptstats round trips per path
+# from one caller), BENCH_INSTR_CALLS (1200), BENCH_RATELIMIT_VERSION
+# (v0.1.0), BENCH_OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -52,13 +68,16 @@ THREADS="${BENCH_THREADS:-2}"
 CONNECTIONS="${BENCH_CONNECTIONS:-50}"
 PIN="${BENCH_PIN:-1}"
 CALLS="${BENCH_CALLS:-100000}"
+SAMPLES="${BENCH_SAMPLES:-20000}"
+RATELIMIT_VERSION="${BENCH_RATELIMIT_VERSION:-v0.1.0}"
 INSTR_CALLS="${BENCH_INSTR_CALLS:-1200}"
 OUT="${BENCH_OUT:-.run/bench/$(date -u +%Y%m%dT%H%M%SZ)}"
-CONFIGS="a b c d e"
+CONFIGS="a b c d e f g"
 if [ "$PIN" = 1 ] && { [ "$(nproc)" -lt 2 ] || ! command -v taskset >/dev/null 2>&1; }; then
 	PIN=0
 fi
 
+HZ="$(getconf CLK_TCK)"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 SUMMARY="$OUT/summary.md"
@@ -225,10 +244,10 @@ redis_phase() {
 	go build -o "$tmp/scriptstats" ./scripts/scriptstats
 	start_redis 0
 	say '```'
-	say "go run ./scripts/scriptstats -addr 127.0.0.1:<port> -calls $CALLS -clients 50 -samples 20000"
+	say "go run ./scripts/scriptstats -addr 127.0.0.1:<port> -calls $CALLS -clients 50 -samples $SAMPLES"
 	say '```'
 	say ""
-	client "$tmp/scriptstats" -addr "127.0.0.1:$redis_port" -calls "$CALLS" -clients 50 -samples 20000 |
+	client "$tmp/scriptstats" -addr "127.0.0.1:$redis_port" -calls "$CALLS" -clients 50 -samples "$SAMPLES" |
 		tee "$OUT/scriptstats.md" >>"$SUMMARY" || failed+=("scriptstats (exit $?)")
 	cat "$OUT/scriptstats.md"
 	say ""
@@ -238,12 +257,15 @@ redis_phase() {
 # instructions prints the instructions (callgrind's total Ir) a
 # redis-server executes from its start to its shutdown, with $2 calls of the
 # scriptstats path whose name starts with $1 in between; nothing when the
-# calls failed.
+# calls failed. The server runs its timer (serverCron) once a second rather
+# than 10 times: the timer's work goes with the wall-clock time, which
+# valgrind stretches the more the busier the machine is (at the default hz,
+# two runs at load 10 differed by 14% on a script's floor).
 instructions() {
 	local port out
 	port="$(free_port)"
 	out="$tmp/callgrind.$port"
-	valgrind --tool=callgrind --callgrind-out-file="$out" redis-server --port "$port" --bind 127.0.0.1 \
+	valgrind --tool=callgrind --callgrind-out-file="$out" redis-server --port "$port" --bind 127.0.0.1 --hz 1 \
 		--save '' --appendonly no --dir "$tmp" --logfile '' >"$out.log" 2>&1 &
 	local pid=$!
 	for _ in $(seq 200); do
@@ -264,22 +286,45 @@ instr_phase() {
 	say ""
 	say "Instructions redis-server executes per call, I/O included: (Ir with $INSTR_CALLS calls − Ir with"
 	say "200 calls) / $((INSTR_CALLS - 200)), one caller. The count is the same whatever else the machine is doing."
+	say "A call of a peer or of the PING floor is one 3-dimension decision (a peer's three calls, one PING)."
 	say ""
 	go build -o "$tmp/scriptstats" ./scripts/scriptstats
 	say "| path | instructions per call |"
 	say "|---|---:|"
 	local p low high
+	declare -A ir=()
 	for p in "INCR" "empty script" "TIME+GET script" "TIME+GET+SET script" \
-		"allow, 1 bucket" "allow, 3 buckets" "deny, 1 bucket" "deny, 3 buckets"; do
+		"allow, 1 bucket" "allow, 3 buckets" "deny, 1 bucket" "deny, 3 buckets" \
+		"FCALL allow, 1 bucket" "FCALL allow, 3 buckets" "FCALL deny, 1 bucket" "FCALL deny, 3 buckets" \
+		"redis_rate" "hash script" "PING"; do
+		# Redis Functions need Redis 7 (scriptstats leaves the paths out).
+		[[ "$p" == FCALL* ]] && [ "$(redis-server --version | grep -o 'v=[0-9]*' | cut -d= -f2)" -lt 7 ] && continue
 		low="$(instructions "$p" 200)"
 		high="$(instructions "$p" "$INSTR_CALLS")"
 		if [ -z "$low" ] || [ -z "$high" ]; then
 			failed+=("callgrind: $p")
 			continue
 		fi
-		say "| $p | $(((high - low) / (INSTR_CALLS - 200))) |"
+		ir[$p]=$(((high - low) / (INSTR_CALLS - 200)))
+		say "| $p | ${ir[$p]} |"
 	done
 	say ""
+	say "| ratio of instructions | |"
+	say "|---|---:|"
+	local d
+	for d in "allow, 1 bucket" "allow, 3 buckets" "deny, 1 bucket" "deny, 3 buckets"; do
+		instr_ratio "FCALL ÷ EVALSHA, $d" "FCALL $d" "$d"
+	done
+	for p in "redis_rate" "hash script" "PING"; do
+		instr_ratio "allow, 3 buckets ÷ $p, per decision" "allow, 3 buckets" "$p"
+	done
+	say ""
+}
+
+# instr_ratio reports ir[$2] / ir[$3] as row $1, when both were counted.
+instr_ratio() {
+	[ -n "${ir[$2]:-}" ] && [ -n "${ir[$3]:-}" ] || return 0
+	say "| $1 | $(awk -v a="${ir[$2]}" -v b="${ir[$3]}" 'BEGIN { printf "%.3f", a / b }') |"
 }
 
 # --- http: wrk against Caddy ----------------------------------------------
@@ -303,9 +348,11 @@ wait_port() {
 	exit 1
 }
 
-evalsha_calls() {
+# command_calls prints the calls of command $1 (lower case) that Redis has
+# run since it started.
+command_calls() {
 	redis-cli -p "$redis_port" info commandstats | tr -d '\r' |
-		awk -F'[=,:]' '$1 == "cmdstat_evalsha" { print $3; found = 1 } END { if (!found) print 0 }'
+		awk -F'[=,:]' -v c="cmdstat_$1" '$1 == c { print $3; found = 1 } END { if (!found) print 0 }'
 }
 
 # cpu_ticks prints the CPU time (user + system, in clock ticks) that
@@ -313,14 +360,17 @@ evalsha_calls() {
 cpu_ticks() { awk '{ sub(/^.*\) /, ""); print $12 + $13 }' "/proc/$1/stat"; }
 
 # run_wrk runs wrk on config $1 for $2 seconds into file $3, and appends the
-# EVALSHA calls Redis ran meanwhile and the CPU ticks each server used.
+# EVALSHA and PING calls Redis ran meanwhile and the CPU ticks each server
+# used.
 run_wrk() {
-	local calls ticks=() p i=0
-	calls="$(evalsha_calls)"
+	local calls pings ticks=() p i=0
+	calls="$(command_calls evalsha)"
+	pings="$(command_calls ping)"
 	for p in "$gateway_pid" "$upstream_pid" "$redis_pid"; do ticks+=("$(cpu_ticks "$p")"); done
 	client wrk -t"$THREADS" -c"$CONNECTIONS" -d"$2s" --latency \
 		-H 'X-User: bench-user' -H 'X-API-Key: bench-key' "http://127.0.0.1:${port[$1]}/" >"$3"
-	echo "evalsha_calls $(($(evalsha_calls) - calls))" >>"$3"
+	echo "evalsha_calls $(($(command_calls evalsha) - calls))" >>"$3"
+	echo "ping_calls $(($(command_calls ping) - pings))" >>"$3"
 	for p in gateway upstream redis; do
 		local pid_var="${p}_pid"
 		echo "cpu_$p $(($(cpu_ticks "${!pid_var}") - ticks[i]))" >>"$3"
@@ -328,8 +378,43 @@ run_wrk() {
 	done
 }
 
+# build_caddy_bench builds bin/caddy-bench when it is missing, when its
+# xcaddy line changed, or when a Go or Lua source, go.mod or go.sum is newer
+# than it (as scripts/build-caddy.sh does for bin/caddy). The line is
+# bin/caddy's (scripts/build-caddy.sh --print-xcaddy) plus:
+#
+#   --replace <module>=.                 every version of this module is the
+#                                        work tree, so that the next package
+#                                        resolves without the module proxy
+#   --with <module>/bench/pingfloor      the floor of configuration (g)
+#   --with github.com/mholt/caddy-ratelimit@<version>   configuration (f)
+build_caddy_bench() {
+	local out=bin/caddy-bench module=github.com/token-bucket/token_bucket xcaddy_version line stamp
+	xcaddy_version="$(sed -n 's/^XCADDY_VERSION=\([^ ]*\).*/\1/p' scripts/build-caddy.sh)"
+	read -ra line <<<"$(scripts/build-caddy.sh --print-xcaddy . "./$out")"
+	line=("${line[@]:1}" --replace "$module=." --with "$module/bench/pingfloor"
+		--with "github.com/mholt/caddy-ratelimit@$RATELIMIT_VERSION")
+	stamp="xcaddy $xcaddy_version ${line[*]}"
+	if [ -x "$out" ] && [ "$(cat "$out.stamp" 2>/dev/null)" = "$stamp" ] &&
+		[ -z "$(find . -path ./bin -prune -o -path ./.git -prune -o -path ./.run -prune -o \
+			\( -name '*.go' ! -name '*_test.go' -o -name '*.lua' -o -name go.mod -o -name go.sum \) \
+			-newer "$out" -print | head -n 1)" ]; then
+		echo "bin/caddy-bench is up to date"
+		return
+	fi
+	mkdir -p bin
+	echo "building bin/caddy-bench: $stamp"
+	rm -f "$out.stamp"
+	if ! go run "github.com/caddyserver/xcaddy/cmd/xcaddy@$xcaddy_version" "${line[@]}" >bin/xcaddy-bench.log 2>&1; then
+		tail -n 40 bin/xcaddy-bench.log >&2
+		echo "xcaddy build of bin/caddy-bench failed; full log: bin/xcaddy-bench.log" >&2
+		exit 1
+	fi
+	echo "$stamp" >"$out.stamp"
+}
+
 start_caddy() {
-	scripts/build-caddy.sh
+	build_caddy_bench
 	start_redis 0
 	export BENCH_REDIS_URL="redis://127.0.0.1:$redis_port"
 	export BENCH_PORT_UPSTREAM
@@ -342,9 +427,9 @@ start_caddy() {
 	done
 	# Caddy's data and config directories stay out of $HOME.
 	export XDG_DATA_HOME="$tmp/data" XDG_CONFIG_HOME="$tmp/config"
-	start_server 0 "$OUT/caddy-upstream.log" ./bin/caddy run --config bench/upstream.Caddyfile --adapter caddyfile
+	start_server 0 "$OUT/caddy-upstream.log" ./bin/caddy-bench run --config bench/upstream.Caddyfile --adapter caddyfile
 	upstream_pid=$started
-	start_server 0 "$OUT/caddy-gateway.log" ./bin/caddy run --config bench/e2e.Caddyfile --adapter caddyfile
+	start_server 0 "$OUT/caddy-gateway.log" ./bin/caddy-bench run --config bench/e2e.Caddyfile --adapter caddyfile
 	gateway_pid=$started
 	wait_port "$BENCH_PORT_UPSTREAM"
 	for c in $CONFIGS; do wait_port "${port[$c]}"; done
@@ -367,7 +452,8 @@ check_statuses() {
 }
 
 # field prints a figure of a wrk output: rps, p50 and p99 (ms), requests,
-# non2xx, errors, evalsha, cpu_gateway, cpu_upstream, cpu_redis (ticks).
+# non2xx, errors, evalsha, ping, cpu_gateway, cpu_upstream, cpu_redis
+# (ticks).
 field() {
 	awk -v f="$2" '
 		function ms(v) {
@@ -383,6 +469,7 @@ field() {
 		f == "non2xx" && /Non-2xx or 3xx responses:/ { n = $NF }
 		f == "errors" && /Socket errors:/ { gsub(/,/, ""); n = $4 + $6 + $8 + $10 }
 		f == "evalsha" && $1 == "evalsha_calls" { print $2 }
+		f == "ping" && $1 == "ping_calls" { print $2 }
 		f ~ /^cpu_/ && $1 == f { print $2 }
 		END { if ((f == "non2xx" || f == "errors") && n == "") print 0; else if (f == "non2xx" || f == "errors") print n }
 	' "$1"
@@ -394,7 +481,7 @@ http_phase() {
 	say "## End to end (wrk -t$THREADS -c$CONNECTIONS, ${DURATION}s per run, $ROUNDS rounds; load average before: $(load_average))"
 	say ""
 	start_caddy
-	say "- caddy: $(./bin/caddy version | cut -d' ' -f1)"
+	say "- caddy: bin/caddy-bench, $(./bin/caddy-bench version | cut -d' ' -f1), with this plugin, bench/pingfloor and mholt/caddy-ratelimit $RATELIMIT_VERSION"
 	check_statuses
 	local c r
 	for c in $CONFIGS; do # warm up: connections, the Lua script, Go's heap
@@ -417,20 +504,20 @@ http_summary() {
 		[c]="token_bucket, client denied (deny cache)"
 		[d]="token_bucket, 3 dimensions, allowed + reverse_proxy"
 		[e]="reverse_proxy alone"
+		[f]="mholt/caddy-ratelimit, in memory, one zone keyed by the 3 dimensions"
+		[g]="floor: one go-redis PING per request (bench_ping_floor)"
 	)
-	declare -gA rps
-	local c r f warnings=() hz
-	hz="$(getconf CLK_TCK)"
+	local c r f warnings=()
 	say '```'
 	say "wrk -t$THREADS -c$CONNECTIONS -d${DURATION}s --latency -H 'X-User: bench-user' -H 'X-API-Key: bench-key' http://127.0.0.1:<port>/"
 	say '```'
 	say ""
 	say "CPU µs per request: CPU time each server process used during the runs (/proc/<pid>/stat), over the requests wrk completed."
 	say ""
-	say "| config | req/s, median | req/s, each round | p50 ms | p99 ms | non-2xx | socket errors | EVALSHA per request | CPU µs/req: gateway | upstream | redis-server | total |"
-	say "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+	say "| config | req/s, median | req/s, each round | p50 ms | p99 ms | non-2xx | socket errors | EVALSHA per request | PING per request | CPU µs/req: gateway | upstream | redis-server | total |"
+	say "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 	for c in $CONFIGS; do
-		local rounds="" p50 p99 non2xx=0 errors=0 requests=0 evalsha=0 gw=0 up=0 rd=0 per
+		local rounds="" p50 p99 non2xx=0 errors=0 requests=0 evalsha=0 ping=0 gw=0 up=0 rd=0 per pings
 		for r in $(seq "$ROUNDS"); do
 			f="$OUT/wrk-$c-$r.txt"
 			rounds+="$(printf '%.0f' "$(field "$f" rps)") "
@@ -438,22 +525,25 @@ http_summary() {
 			errors=$((errors + $(field "$f" errors)))
 			requests=$((requests + $(field "$f" requests)))
 			evalsha=$((evalsha + $(field "$f" evalsha)))
+			ping=$((ping + $(field "$f" ping)))
 			gw=$((gw + $(field "$f" cpu_gateway)))
 			up=$((up + $(field "$f" cpu_upstream)))
 			rd=$((rd + $(field "$f" cpu_redis)))
 		done
-		rps[$c]="$(for r in $(seq "$ROUNDS"); do field "$OUT/wrk-$c-$r.txt" rps; done | median)"
 		p50="$(for r in $(seq "$ROUNDS"); do field "$OUT/wrk-$c-$r.txt" p50; done | median)"
 		p99="$(for r in $(seq "$ROUNDS"); do field "$OUT/wrk-$c-$r.txt" p99; done | median)"
 		per="$(awk -v e="$evalsha" -v n="$requests" 'BEGIN { printf "%.3f", e / n }')"
-		say "| ($c) ${name[$c]} | $(printf '%.0f' "${rps[$c]}") | ${rounds% } | $p50 | $p99 | $non2xx | $errors | $per |" \
-			"$(awk -v g="$gw" -v u="$up" -v r="$rd" -v n="$requests" -v hz="$hz" \
+		pings="$(awk -v e="$ping" -v n="$requests" 'BEGIN { printf "%.3f", e / n }')"
+		say "| ($c) ${name[$c]} | $(printf '%.0f' "$(median_of "$c" rps)") | ${rounds% } | $p50 | $p99 | $non2xx | $errors | $per | $pings |" \
+			"$(awk -v g="$gw" -v u="$up" -v r="$rd" -v n="$requests" -v hz="$HZ" \
 				'BEGIN { k = 1e6 / hz / n; printf "%.1f | %.1f | %.1f | %.1f |", g * k, u * k, r * k, (g + u + r) * k }')"
 		case "$c" in
 		b | d) awk -v p="$per" 'BEGIN { exit !(p < 0.99) }' &&
 			warnings+=("($c): only $per EVALSHA per request: the rest were decided by on_redis_error (Redis slower than the 1s timeout, or the breaker open), not by Redis") ;;
 		c) awk -v p="$per" 'BEGIN { exit !(p > 0.01) }' &&
 			warnings+=("($c): $per EVALSHA per request: the deny cache did not answer every request") ;;
+		g) awk -v p="$pings" 'BEGIN { exit !(p < 0.99) }' &&
+			warnings+=("($c): only $pings PING per request") ;;
 		esac
 		if [ "$errors" -ne 0 ]; then
 			warnings+=("($c): $errors socket errors (connect, read, write or timeout)")
@@ -474,22 +564,82 @@ http_summary() {
 	ratio "(b)/(a): limiter allowed / respond" b a 0.6
 	ratio "(d)/(e): limiter + proxy / proxy" d e 0.9
 	ratio "(c)/(a): denied from cache / respond" c a 0.9
+	ratio "(c)/(a): gateway CPU per request, denied from cache / respond" c a 1.25 gw "<="
+	ratio "(b)/(g): limiter allowed / the PING floor" b g
+	ratio "(b)/(f): limiter allowed / caddy-ratelimit" b f
+	ratio "(f)/(a): caddy-ratelimit / respond" f a
+	ratio "(g)/(a): the PING floor / respond" g a
+	say ""
+	say "Every configuration against (a) plain respond, (f) caddy-ratelimit and (g) the PING floor: the ratio"
+	say "of the medians, in brackets the median of the rounds' ratios. CPU: all server processes' CPU µs per request."
+	say ""
+	say "| config | req/s ÷ (a) | req/s ÷ (f) | req/s ÷ (g) | CPU/req ÷ (a) | CPU/req ÷ (f) | CPU/req ÷ (g) |"
+	say "|---|---:|---:|---:|---:|---:|---:|"
+	for c in $CONFIGS; do
+		say "| ($c) ${name[$c]} | $(ratio_cell "$c" a rps) | $(ratio_cell "$c" f rps) | $(ratio_cell "$c" g rps) |" \
+			"$(ratio_cell "$c" a cpu) | $(ratio_cell "$c" f cpu) | $(ratio_cell "$c" g cpu) |"
+	done
 	say ""
 }
 
-# ratio reports config $2 over config $3 against target $4: the ratio of
-# their medians, and the median of the ratios of each round (the two ran a
-# few seconds apart, so a change in the machine's load affects both).
-ratio() {
-	local r v each="" rounds m
+# metric prints figure $3 of config $1 in round $2: rps (requests per
+# second), gw (the gateway's CPU µs per request) or cpu (every server
+# process's CPU µs per request).
+metric() {
+	local f="$OUT/wrk-$1-$2.txt"
+	case "$3" in
+	rps) field "$f" rps ;;
+	gw) awk -v t="$(field "$f" cpu_gateway)" -v n="$(field "$f" requests)" -v hz="$HZ" 'BEGIN { print t * 1e6 / hz / n }' ;;
+	cpu) awk -v t="$(($(field "$f" cpu_gateway) + $(field "$f" cpu_upstream) + $(field "$f" cpu_redis)))" \
+		-v n="$(field "$f" requests)" -v hz="$HZ" 'BEGIN { print t * 1e6 / hz / n }' ;;
+	esac
+}
+
+# median_of prints the median over the rounds of metric $2 of config $1.
+median_of() {
+	local r
+	for r in $(seq "$ROUNDS"); do metric "$1" "$r" "$2"; done | median
+}
+
+# ratios prints, for metric $3 (default rps) of config $1 over config $2:
+# the ratio of their medians, the median of the ratios of each round (the
+# two ran a few seconds apart, so a change in the machine's load affects
+# both) and each round's, tab-separated.
+ratios() {
+	local r each="" v m
 	for r in $(seq "$ROUNDS"); do
-		each+="$(awk -v x="$(field "$OUT/wrk-$2-$r.txt" rps)" -v y="$(field "$OUT/wrk-$3-$r.txt" rps)" \
-			'BEGIN { printf "%.2f", x / y }') "
+		each+="$(awk -v x="$(metric "$1" "$r" "${3:-rps}")" -v y="$(metric "$2" "$r" "${3:-rps}")" \
+			'BEGIN { printf "%.2f", (y > 0) ? x / y : 0 }') "
 	done
-	v="$(awk -v x="${rps[$2]}" -v y="${rps[$3]}" 'BEGIN { printf "%.2f", x / y }')"
-	rounds="$(echo "$each" | tr ' ' '\n' | grep . | median)"
-	m="$(printf '%.2f' "$rounds")"
-	say "| $1 | $v | $m | ${each% } | ≥ $4 | $(awk -v v="$v" -v t="$4" 'BEGIN { print (v >= t) ? "meets" : "**short**" }') |"
+	v="$(awk -v x="$(median_of "$1" "${3:-rps}")" -v y="$(median_of "$2" "${3:-rps}")" \
+		'BEGIN { printf "%.2f", (y > 0) ? x / y : 0 }')"
+	m="$(printf '%.2f' "$(echo "$each" | tr ' ' '\n' | grep . | median)")"
+	printf '%s\t%s\t%s\n' "$v" "$m" "${each% }"
+}
+
+# ratio_cell prints "v [m]" of ratios $1 $2 $3 for a table cell.
+ratio_cell() {
+	local v m each
+	IFS=$'\t' read -r v m each < <(ratios "$1" "$2" "$3")
+	echo "$v [$m]"
+}
+
+# ratio reports a row: $1 the label, config $2 over config $3, of metric
+# $5 (default rps), against target $4 (none when empty) in the direction
+# $6 (">=", the default, or "<=").
+ratio() {
+	local v m each target="" verdict=""
+	IFS=$'\t' read -r v m each < <(ratios "$2" "$3" "${5:-rps}")
+	if [ -n "${4:-}" ]; then
+		if [ "${6:->=}" = "<=" ]; then
+			target="≤ $4"
+			verdict="$(awk -v v="$v" -v t="$4" 'BEGIN { print (v <= t) ? "meets" : "**short**" }')"
+		else
+			target="≥ $4"
+			verdict="$(awk -v v="$v" -v t="$4" 'BEGIN { print (v >= t) ? "meets" : "**short**" }')"
+		fi
+	fi
+	say "| $1 | $v | $m | $each | $target | $verdict |"
 }
 
 install_tools

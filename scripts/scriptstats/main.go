@@ -16,17 +16,33 @@
 // in turns), give usec_per_call without the other clients. Decisions go through bucket.Redis.Take, as the
 // handler sends them.
 //
+// Peers and the floor, in the same turns: a 3-dimension decision made by
+// go-redis/redis_rate v10 (one AllowN per dimension, 3 calls), by a
+// classic hash-based token bucket script (one EVALSHA per dimension, see
+// hashBucket), and the floor of any design that makes one unbatched round
+// trip per decision, one PING. A call of these paths is one decision, so
+// their figures are per decision, and they are compared with this
+// project's "allow, 3 buckets" in decisions/s and Redis CPU per decision.
+//
+// Redis Functions, in the same turns: the FCALL paths run the same code,
+// lua.Source, loaded as a library function with FUNCTION LOAD, through
+// the same bucket.Redis.Take (a Scripter that sends FCALL in place of
+// EVALSHA), on the same keys as the EVALSHA path they are named after.
+//
 // Caller side: one goroutine alternates PING and each decision, -samples
-// times, and reports the p50 and p99 of each round trip.
+// times, and reports the p50 and p99 of each round trip (a peer's
+// decision is its 3 round trips).
 //
 // With -only, it makes -serial calls of the one path whose name starts
 // with -only, one at a time, and prints nothing: scripts/bench.sh runs it
 // against a redis-server under callgrind to count the instructions a call
 // costs, a figure that does not move with the machine's load.
 //
-// It writes to keys under "scriptstats:" on the server at -addr, which it
-// does not flush: point it at a server of its own (scripts/bench.sh starts
-// one). The output is Markdown, for BENCHMARKS.md.
+// It writes to keys under "scriptstats:" (and redis_rate's under
+// "rate:scriptstats:") on the server at -addr, which it does not flush,
+// and loads a function library named scriptstats: point it at a server of
+// its own (scripts/bench.sh starts one). The output is Markdown, for
+// BENCHMARKS.md.
 package main
 
 import (
@@ -41,9 +57,11 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/go-redis/redis_rate/v10"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/token-bucket/token_bucket/bucket"
+	"github.com/token-bucket/token_bucket/lua"
 )
 
 // Targets, in microseconds.
@@ -66,6 +84,86 @@ var (
 	writeFloor = redis.NewScript("redis.call('TIME') local v = redis.call('GET', KEYS[1]) " +
 		"redis.call('SET', KEYS[1], v, 'PX', 3600000) return 0")
 )
+
+// hashBucket is the peer that keeps each bucket in a HASH, one call per
+// bucket ("the seeds' hash script"): a classic token bucket written as the
+// common hash-based Lua rate limiters write it (HMGET the tokens and the
+// timestamp, refill by the time elapsed, take the cost, HSET both and
+// PEXPIRE the key), the shape of the scripts of many gateways and blog
+// posts; redis-cell answers the same one-key question natively with
+// CL.THROTTLE, one call per key too. It reads the Redis clock with TIME,
+// as this project's script and redis_rate's do (many such scripts take the
+// caller's clock in ARGV instead and save that call). A call decides one
+// bucket, so a 3-dimension request makes three calls, and they are not
+// all-or-nothing.
+//
+// KEYS[1] the bucket; ARGV: capacity (tokens), rate (tokens per second),
+// cost (tokens). Reply: {allowed (1 or 0), tokens left}.
+var hashBucket = redis.NewScript(`
+local key = KEYS[1]
+local capacity = tonumber(ARGV[1])
+local rate = tonumber(ARGV[2])
+local cost = tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local state = redis.call('HMGET', key, 'tokens', 'timestamp')
+local tokens = tonumber(state[1])
+local last = tonumber(state[2])
+if tokens == nil or last == nil then
+  tokens, last = capacity, now
+end
+local elapsed = math.max(0, now - last)
+tokens = math.min(capacity, tokens + elapsed * rate / 1000)
+local allowed = 0
+if tokens >= cost then
+  tokens = tokens - cost
+  allowed = 1
+end
+redis.call('HSET', key, 'tokens', tokens, 'timestamp', now)
+redis.call('PEXPIRE', key, math.ceil((capacity - tokens) / rate * 1000) + 1)
+return {allowed, math.floor(tokens)}
+`)
+
+// functionName is the function that the library functionLibrary
+// registers: lua.Source, this project's decision, unchanged, as the body
+// of a function of KEYS and ARGV (a function gets them as arguments, a
+// script as globals).
+const functionName = "scriptstats_token_bucket"
+
+var functionLibrary = "#!lua name=scriptstats\n" +
+	"redis.register_function('" + functionName + "', function(KEYS, ARGV)\n" + lua.Source + "\nend)\n"
+
+// fcaller is a redis.Scripter that runs every script call as an FCALL of
+// one function: bucket.Redis.Take with it sends the same keys and
+// arguments as with the client, and reads the reply the same way.
+type fcaller struct {
+	c  *redis.Client
+	fn string
+}
+
+func (f fcaller) Eval(ctx context.Context, _ string, keys []string, args ...any) *redis.Cmd {
+	return f.c.FCall(ctx, f.fn, keys, args...)
+}
+
+func (f fcaller) EvalSha(ctx context.Context, _ string, keys []string, args ...any) *redis.Cmd {
+	return f.c.FCall(ctx, f.fn, keys, args...)
+}
+
+func (f fcaller) EvalRO(ctx context.Context, _ string, keys []string, args ...any) *redis.Cmd {
+	return f.c.FCallRO(ctx, f.fn, keys, args...)
+}
+
+func (f fcaller) EvalShaRO(ctx context.Context, _ string, keys []string, args ...any) *redis.Cmd {
+	return f.c.FCallRO(ctx, f.fn, keys, args...)
+}
+
+func (f fcaller) ScriptExists(ctx context.Context, hashes ...string) *redis.BoolSliceCmd {
+	return f.c.ScriptExists(ctx, hashes...)
+}
+
+func (f fcaller) ScriptLoad(ctx context.Context, script string) *redis.StringCmd {
+	return f.c.ScriptLoad(ctx, script)
+}
 
 func main() {
 	addr := flag.String("addr", "127.0.0.1:6379", "redis-server `host:port` (a server of its own: keys are left behind)")
@@ -92,13 +190,22 @@ func main() {
 
 	fmt.Printf("### Redis side: µs per call, %d calls from %d clients in %d batches (medians over the batches)\n\n",
 		*calls, *clients, *batches)
-	fmt.Println("| path | command | usec_per_call | lowest batch | 1 caller | of which nested GET+SET+TIME | redis-server CPU µs/call | calls/s | target | |")
+	fmt.Println("A peer's call is a decision, its three calls; its figures are per decision.")
+	fmt.Println()
+	fmt.Println("| path | command | usec_per_call | lowest batch | 1 caller | of which nested commands | redis-server CPU µs/call | calls/s | target | |")
 	fmt.Println("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
-	for i, st := range measure(ctx, c, paths, *calls, *clients, *batches) {
+	sts := measure(ctx, c, paths, *calls, *clients, *batches)
+	for i, st := range sts {
 		p := paths[i]
-		fmt.Printf("| %s | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f | %s | %s |\n", p.name, p.command, st.perCall, st.perCallMin,
+		command := p.command
+		if p.evals > 1 {
+			command = strconv.Itoa(p.evals) + " × " + command
+		}
+		fmt.Printf("| %s | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f | %s | %s |\n", p.name, command, st.perCall, st.perCallMin,
 			st.serial, st.nested, st.cpu, st.rate, targetText(p.target), verdict(st.perCall, p.target))
 	}
+	printPeers(paths, sts, *clients)
+	printFunctions(paths, sts)
 
 	fmt.Printf("\n### Caller side: one caller, %d round trips each, PING and the decisions interleaved\n\n", *samples)
 	lat := latencies(ctx, c, paths, *samples)
@@ -108,7 +215,107 @@ func main() {
 	fmt.Printf("| PING | %.1f | %.1f | 1.00 | | |\n", ping.p50, ping.p99)
 	for _, l := range lat[1:] {
 		x := l.p50 / ping.p50
+		if !l.judged {
+			fmt.Printf("| %s | %.1f | %.1f | %.2f | | |\n", l.name, l.p50, l.p99, x)
+			continue
+		}
 		fmt.Printf("| %s | %.1f | %.1f | %.2f | %s | %s |\n", l.name, l.p50, l.p99, x, yes(x <= targetP50X), yes(l.p99 <= targetP99))
+	}
+}
+
+// Targets of the comparison with the peers (issue 16): this project's
+// 3-dimension decisions per second over the unbatched PING floor's and
+// over redis_rate's.
+const (
+	targetOverFloor     = 1.0
+	targetOverRedisRate = 3.0
+)
+
+// printPeers prints the comparison of this project's 3-dimension decision
+// with the peers' and the PING floor: decisions per second and Redis CPU
+// per decision, and their ratios.
+func printPeers(paths []*path, sts []stats, clients int) {
+	var ours, floor int = -1, -1
+	var rows []int
+	for i, p := range paths {
+		switch p.role {
+		case roleOurs:
+			ours = i
+			rows = append([]int{i}, rows...)
+		case rolePeer:
+			rows = append(rows, i)
+		case roleFloor:
+			floor = i
+		}
+	}
+	if ours < 0 || floor < 0 {
+		return
+	}
+	rows = append(rows, floor)
+	fmt.Printf("\n### Peers and the floor: 3-dimension decisions, every bucket allowing, %d callers (medians over the batches)\n\n", clients)
+	fmt.Println("A decision decides all three dimensions: this project's is one EVALSHA, a peer's one call per dimension,")
+	fmt.Println("the floor's one PING (the least that any design making one unbatched round trip per decision pays).")
+	fmt.Println("Ratios: the row's figure over this project's and over the floor's, of the medians; in brackets, the")
+	fmt.Println("median of the ratios batch by batch (the paths took turns, so each batch's pair ran seconds apart).")
+	fmt.Println()
+	fmt.Println("| design | Redis calls per decision | decisions/s | ÷ this project | ÷ PING floor | redis-server CPU µs per decision | ÷ this project | ÷ PING floor | µs executing commands per decision |")
+	fmt.Println("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+	o, f := sts[ours], sts[floor]
+	for _, i := range rows {
+		p, st := paths[i], sts[i]
+		name := p.name
+		if i == ours {
+			name = "this project: " + name
+		}
+		fmt.Printf("| %s | %d | %.0f | %.2f [%.2f] | %.2f [%.2f] | %.2f | %.2f [%.2f] | %.2f [%.2f] | %.2f |\n", name, max(1, p.evals), st.rate,
+			st.rate/o.rate, pairedRatio(st.batches.rate, o.batches.rate), st.rate/f.rate, pairedRatio(st.batches.rate, f.batches.rate),
+			st.cpu, st.cpu/o.cpu, pairedRatio(st.batches.cpu, o.batches.cpu), st.cpu/f.cpu, pairedRatio(st.batches.cpu, f.batches.cpu),
+			st.perCall)
+	}
+	fmt.Println()
+	fmt.Println("| this project's decision against | decisions/s, × | redis-server CPU per decision, × | target | |")
+	fmt.Println("|---|---:|---:|---|---|")
+	for _, i := range rows[1:] {
+		p, st := paths[i], sts[i]
+		x := pairedRatio(o.batches.rate, st.batches.rate)
+		target, verdict := "", ""
+		switch {
+		case p.role == roleFloor:
+			target, verdict = fmt.Sprintf("decisions/s ≥ %.1f×", targetOverFloor), yes(x >= targetOverFloor)
+		case strings.HasPrefix(p.name, "redis_rate"):
+			target, verdict = fmt.Sprintf("decisions/s ≥ %.0f×", targetOverRedisRate), yes(x >= targetOverRedisRate)
+		}
+		fmt.Printf("| %s | %.2f | %.2f | %s | %s |\n", p.name, x, pairedRatio(o.batches.cpu, st.batches.cpu), target, verdict)
+	}
+}
+
+// printFunctions prints each FCALL path against the EVALSHA path of the
+// same decision on the same keys.
+func printFunctions(paths []*path, sts []stats) {
+	at := map[*path]int{}
+	for i, p := range paths {
+		at[p] = i
+	}
+	first := true
+	for i, p := range paths {
+		if p.pair == nil {
+			continue
+		}
+		if first {
+			first = false
+			fmt.Println("\n### Redis Functions: FCALL against EVALSHA, the same code (lua.Source as a library function) on the same keys")
+			fmt.Println()
+			fmt.Println("Medians over the batches; ÷: FCALL's over EVALSHA's, the median of the ratios batch by batch.")
+			fmt.Println()
+			fmt.Println("| decision | usec_per_call EVALSHA | FCALL | ÷ | redis-server CPU µs/call EVALSHA | FCALL | ÷ | 1 caller EVALSHA | FCALL | ÷ | calls/s EVALSHA | FCALL | ÷ |")
+			fmt.Println("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+		}
+		e, f := sts[at[p.pair]], sts[i]
+		fmt.Printf("| %s | %.2f | %.2f | %.3f | %.2f | %.2f | %.3f | %.2f | %.2f | %.3f | %.0f | %.0f | %.3f |\n", p.pair.name,
+			e.perCall, f.perCall, pairedRatio(f.batches.per, e.batches.per),
+			e.cpu, f.cpu, pairedRatio(f.batches.cpu, e.batches.cpu),
+			e.serial, f.serial, pairedRatio(f.batches.serial, e.batches.serial),
+			e.rate, f.rate, pairedRatio(f.batches.rate, e.batches.rate))
 	}
 }
 
@@ -139,7 +346,20 @@ type path struct {
 	allowed bool
 	evals   int // calls of command per call of the path (0: 1)
 	call    func(ctx context.Context, client int) error
+	role    role
+	latency bool  // in the caller-side latency table
+	pair    *path // of an FCALL path: the EVALSHA path of the same decision, on the same keys
 }
+
+// role is what a path stands for in the comparison with the peers.
+type role uint8
+
+const (
+	roleOther role = iota
+	roleOurs       // this project's 3-dimension decision, allowed
+	rolePeer       // another design's 3-dimension decision, allowed
+	roleFloor      // one PING per decision
+)
 
 // leased reports whether the path takes a concurrency slot.
 func (p *path) leased() bool {
@@ -149,11 +369,42 @@ func (p *path) leased() bool {
 // newPaths builds the paths, each client with its own identity, and primes
 // every bucket so that it has state in Redis: roomy buckets (a million
 // tokens, one a second back) are 10000 tokens short and never deny; the
-// api_key bucket of a deny path (one token an hour) is empty.
+// api_key bucket of a deny path (one token an hour) is empty. The peers'
+// buckets are primed the same way, with their own calls.
 func newPaths(ctx context.Context, c *redis.Client, clients int) []*path {
 	roomy, tight := spec(1_000_000, "1/s"), spec(1, "1/1h")
 	keyer := bucket.NewKeyer("scriptstats:", "")
 	store := bucket.Redis{Client: c}
+	// takeCall is a decision path's call through store.
+	takeCall := func(p *path, store bucket.Redis) func(context.Context, int) error {
+		if !p.leased() {
+			return func(ctx context.Context, cl int) error {
+				d, err := store.Take(ctx, p.keys[cl], p.takes)
+				if err == nil && d.Allowed != p.allowed {
+					err = fmt.Errorf("%s: allowed %v", p.name, d.Allowed)
+				}
+				return err
+			}
+		}
+		// A request that holds a slot: the decision that takes it and the
+		// release after the response, two calls.
+		var seq atomic.Int64
+		return func(ctx context.Context, cl int) error {
+			takes := slices.Clone(p.takes)
+			id := strconv.FormatInt(seq.Add(1), 36)
+			for i := range takes {
+				takes[i].LeaseID = id
+			}
+			d, err := store.Take(ctx, p.keys[cl], takes)
+			if err == nil && !d.Allowed {
+				err = fmt.Errorf("%s: denied", p.name)
+			}
+			if err == nil {
+				_, err = store.Release(ctx, p.keys[cl][len(takes)-1:], id)
+			}
+			return err
+		}
+	}
 	decision := func(name string, n int, deny bool, target float64, edit ...func(*path)) *path {
 		p := &path{name: name, command: "evalsha", target: target, allowed: !deny}
 		for i := range n {
@@ -182,33 +433,11 @@ func newPaths(ctx context.Context, c *redis.Client, clients int) []*path {
 			}
 			p.keys = append(p.keys, keys)
 		}
-		p.call = func(ctx context.Context, cl int) error {
-			d, err := store.Take(ctx, p.keys[cl], p.takes)
-			if err == nil && d.Allowed != p.allowed {
-				err = fmt.Errorf("%s: allowed %v", p.name, d.Allowed)
-			}
-			return err
-		}
+		p.call = takeCall(p, store)
 		if p.leased() {
-			// A request that holds a slot: the decision that takes it
-			// and the release after the response, two calls.
 			p.evals = 2
-			var seq atomic.Int64
-			p.call = func(ctx context.Context, cl int) error {
-				takes := slices.Clone(p.takes)
-				id := strconv.FormatInt(seq.Add(1), 36)
-				for i := range takes {
-					takes[i].LeaseID = id
-				}
-				d, err := store.Take(ctx, p.keys[cl], takes)
-				if err == nil && !d.Allowed {
-					err = fmt.Errorf("%s: denied", p.name)
-				}
-				if err == nil {
-					_, err = store.Release(ctx, p.keys[cl][len(takes)-1:], id)
-				}
-				return err
-			}
+		} else {
+			p.latency = true // one round trip
 		}
 		return p
 	}
@@ -216,7 +445,8 @@ func newPaths(ctx context.Context, c *redis.Client, clients int) []*path {
 	concurrent := func(p *path) {
 		p.takes[len(p.takes)-1] = bucket.Take{Spec: bucket.ConcurrencySpec(1_000_000), Cost: 1, Lease: 600_000}
 	}
-	for _, s := range []*redis.Script{noop, readFloor, writeFloor} {
+	ours := func(p *path) { p.role = roleOurs }
+	for _, s := range []*redis.Script{noop, readFloor, writeFloor, hashBucket} {
 		if err := s.Load(ctx, c).Err(); err != nil {
 			fail("loading a script: %v", err)
 		}
@@ -233,7 +463,7 @@ func newPaths(ctx context.Context, c *redis.Client, clients int) []*path {
 			return s.EvalSha(ctx, c, keys[cl:cl+1]).Err()
 		}}
 	}
-	return []*path{
+	paths := []*path{
 		{name: "INCR (baseline)", command: "incr", call: func(ctx context.Context, cl int) error {
 			return c.Incr(ctx, "scriptstats:incr:"+strconv.Itoa(cl)).Err()
 		}},
@@ -243,13 +473,76 @@ func newPaths(ctx context.Context, c *redis.Client, clients int) []*path {
 		floor("TIME+GET script (floor of a 1-bucket deny)", readFloor),
 		floor("TIME+GET+SET script (floor of a 1-bucket allow)", writeFloor),
 		decision("allow, 1 bucket", 1, false, targetAllow1),
-		decision("allow, 3 buckets", 3, false, targetAllow3),
+		decision("allow, 3 buckets", 3, false, targetAllow3, ours),
 		decision("allow, 3 buckets, 1 of them in shadow", 3, false, targetAllow3, shadow),
 		decision("allow, 3 buckets + 1 per model", 4, false, 0),
 		decision("allow, 3 buckets + a concurrency slot, taken and released", 4, false, 0, concurrent),
 		decision("deny, 1 bucket", 1, true, targetDeny),
 		decision("deny, 3 buckets", 3, true, targetDeny),
 	}
+
+	// The same decisions as FCALLs of lua.Source loaded as a function,
+	// on the same keys. Redis before 7.0 has no functions: the paths are
+	// left out.
+	if err := c.FunctionLoadReplace(ctx, functionLibrary).Err(); err != nil {
+		fmt.Fprintf(os.Stderr, "scriptstats: FUNCTION LOAD failed, no FCALL paths (Redis Functions need Redis 7): %v\n", err)
+	} else {
+		fstore := bucket.Redis{Client: fcaller{c: c, fn: functionName}}
+		for _, p := range slices.Clone(paths) {
+			switch p.name {
+			case "allow, 1 bucket", "allow, 3 buckets", "deny, 1 bucket", "deny, 3 buckets":
+				q := *p
+				q.name, q.command, q.target, q.role, q.pair = "FCALL "+p.name, "fcall", 0, roleOther, p
+				q.call = takeCall(&q, fstore)
+				paths = append(paths, &q)
+			}
+		}
+	}
+
+	// The peers, each bucket as roomy as this project's: a million tokens,
+	// one a second back, primed 10000 short.
+	peer := func(name, tag string, take func(ctx context.Context, key string, cost int) error) *path {
+		keys := make([][]string, clients)
+		for cl := range keys {
+			for _, dim := range []string{"api_key", "user", "ip"} {
+				k := "scriptstats:" + tag + ":" + dim + ":" + strconv.Itoa(cl)
+				if err := take(ctx, k, 10_000); err != nil {
+					fail("priming %s: %v", k, err)
+				}
+				keys[cl] = append(keys[cl], k)
+			}
+		}
+		return &path{name: name, command: "evalsha", evals: 3, role: rolePeer, latency: true,
+			call: func(ctx context.Context, cl int) error {
+				for _, k := range keys[cl] {
+					if err := take(ctx, k, 1); err != nil {
+						return fmt.Errorf("%s: %w", name, err)
+					}
+				}
+				return nil
+			}}
+	}
+	limiter := redis_rate.NewLimiter(c)
+	rateLimit := redis_rate.Limit{Rate: 1, Period: time.Second, Burst: 1_000_000}
+	paths = append(paths,
+		peer("redis_rate v10: 3 × AllowN", "redis_rate", func(ctx context.Context, key string, cost int) error {
+			r, err := limiter.AllowN(ctx, key, rateLimit, cost)
+			if err == nil && r.Allowed != cost {
+				err = fmt.Errorf("%s denied", key)
+			}
+			return err
+		}),
+		peer("hash script: 3 × EVALSHA", "hash", func(ctx context.Context, key string, cost int) error {
+			v, err := hashBucket.EvalSha(ctx, c, []string{key}, 1_000_000, 1, cost).Int64Slice()
+			if err == nil && (len(v) != 2 || v[0] != 1) {
+				err = fmt.Errorf("%s denied: %v", key, v)
+			}
+			return err
+		}),
+		&path{name: "PING (floor: one round trip per decision)", command: "ping", role: roleFloor,
+			call: func(ctx context.Context, _ int) error { return c.Ping(ctx).Err() }},
+	)
+	return paths
 }
 
 func spec(capacity int64, rate string) bucket.Spec {
@@ -268,10 +561,11 @@ func spec(capacity int64, rate string) bucket.Spec {
 type stats struct {
 	perCall    float64 // usec_per_call of the command: its time inside Redis
 	perCallMin float64 // the lowest batch's: the least disturbed by other processes
-	nested     float64 // usec of GET, SET and TIME (run by the script) per call of the command
+	nested     float64 // usec of the commands the script runs (GET, SET, TIME, ...) per call of the command
 	cpu        float64 // redis-server CPU time (user+sys) per call: the command, parsing and I/O
 	rate       float64 // calls per second
 	serial     float64 // usec_per_call with one caller, one call at a time
+	batches    samples // the figures of each batch, for ratios batch by batch
 }
 
 // samples are a path's figures, one per batch.
@@ -304,9 +598,7 @@ func measure(ctx context.Context, c *redis.Client, paths []*path, calls, clients
 			n := callsOf(in, p)
 			s := &all[i]
 			s.per = append(s.per, in.usec[p.command]/n)
-			if p.command == "evalsha" {
-				s.nested = append(s.nested, (in.usec["get"]+in.usec["set"]+in.usec["time"])/n)
-			}
+			s.nested = append(s.nested, nestedUsec(in, p)/n)
 			s.cpu = append(s.cpu, (in.cpu-cpu0)*1e6/n)
 			s.rate = append(s.rate, float64(calls/batches)/elapsed.Seconds())
 		}
@@ -326,9 +618,38 @@ func measure(ctx context.Context, c *redis.Client, paths []*path, calls, clients
 	out := make([]stats, len(paths))
 	for i, s := range all {
 		out[i] = stats{perCall: median(s.per), perCallMin: slices.Min(s.per), nested: median(s.nested),
-			cpu: median(s.cpu), rate: median(s.rate), serial: median(s.serial)}
+			cpu: median(s.cpu), rate: median(s.rate), serial: median(s.serial), batches: s}
 	}
 	return out
+}
+
+// nestedUsec is the time of the commands that a path's scripts ran: every
+// command but the path's own and those of the measurement and of
+// connecting (INFO, CONFIG RESETSTAT, HELLO, CLIENT).
+func nestedUsec(in info, p *path) float64 {
+	t := 0.0
+	for cmd, usec := range in.usec {
+		switch {
+		case cmd == p.command, cmd == "info", cmd == "hello",
+			strings.HasPrefix(cmd, "config"), strings.HasPrefix(cmd, "client"):
+		default:
+			t += usec
+		}
+	}
+	return t
+}
+
+// pairedRatio is the median over the batches of a's figure over b's in the
+// same round of turns, which ran seconds apart: a change in the machine's
+// load between rounds falls on both.
+func pairedRatio(a, b []float64) float64 {
+	r := make([]float64, 0, len(a))
+	for i := range min(len(a), len(b)) {
+		if b[i] != 0 {
+			r = append(r, a[i]/b[i])
+		}
+	}
+	return median(r)
 }
 
 // serialCalls is how many calls of each path one caller makes, one at a
@@ -436,6 +757,7 @@ func median(v []float64) float64 {
 type latency struct {
 	name     string
 	p50, p99 float64
+	judged   bool // held to the targets: this project's decisions, not the peers'
 }
 
 // latencies measures PING and each decision from one caller, interleaved
@@ -443,7 +765,7 @@ type latency struct {
 func latencies(ctx context.Context, c *redis.Client, paths []*path, samples int) []latency {
 	var decisions []*path
 	for _, p := range paths {
-		if p.keys != nil && !p.leased() { // one round trip each
+		if p.latency {
 			decisions = append(decisions, p)
 		}
 	}
@@ -469,12 +791,13 @@ func latencies(ctx context.Context, c *redis.Client, paths []*path, samples int)
 	out := make([]latency, len(times))
 	for i, ts := range times {
 		slices.Sort(ts)
-		name := "PING"
+		l := latency{name: "PING"}
 		if i > 0 {
-			name = decisions[i-1].name
+			l.name, l.judged = decisions[i-1].name, decisions[i-1].role != rolePeer
 		}
 		at := func(q float64) float64 { return float64(ts[int(q*float64(len(ts)-1))]) / 1e3 }
-		out[i] = latency{name: name, p50: at(0.50), p99: at(0.99)}
+		l.p50, l.p99 = at(0.50), at(0.99)
+		out[i] = l
 	}
 	return out
 }
