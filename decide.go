@@ -86,7 +86,7 @@ func (h *Handler) decide(x *exchange) verdict {
 	if err != nil {
 		return h.decideDegraded(x, err)
 	}
-	if h.maxWaitMS > 0 && d.Reason == bucket.RateLimited {
+	if held && d.Reason == bucket.RateLimited { // offered a reservation: see retryAfterWait
 		d = h.retryAfterWait(req, d)
 	}
 	if h.denials != nil && d.Reason == bucket.RateLimited {
@@ -178,7 +178,7 @@ func (h *Handler) decideDemote(x *exchange, store bucket.Redis, id string) verdi
 	if state == bucket.Demoted {
 		t, req = h.demote.penalty, preq
 	}
-	if h.maxWaitMS > 0 && d.Reason == bucket.RateLimited {
+	if held && d.Reason == bucket.RateLimited { // offered a reservation: see retryAfterWait
 		d = h.retryAfterWait(req, d)
 	}
 	v := decidedVerdict(t, req, d, false)

@@ -48,11 +48,13 @@ func (h *Handler) reserve(reqs ...*request) bool {
 	return true
 }
 
-// retryAfterWait returns a denial under on_limit wait with each token
-// bucket's wait shortened by max_wait: a retry after that long is held
-// for at most max_wait and then served, so that is what Retry-After says
-// (and what the deny cache keeps, which so never denies a request that
-// Redis would hold).
+// retryAfterWait returns the denial of a request that was offered a
+// reservation (on_limit wait, with a place free among max_waiting) with
+// each token bucket's wait shortened by max_wait: a retry after that long
+// is held for at most max_wait and then served, so that is what
+// Retry-After says (and what the deny cache keeps, which so never denies
+// a request that Redis would hold). A request refused a place is answered
+// as with reject: its full wait.
 func (h *Handler) retryAfterWait(req *request, d bucket.Decision) bucket.Decision {
 	for i := range d.Buckets {
 		r, l := &d.Buckets[i], req.limits[i]
