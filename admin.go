@@ -387,6 +387,9 @@ func resolveBucket(p bucketParams) (*bucketTarget, error) {
 			break
 		}
 	}
+	if bt.limit == nil && p.Period != "" {
+		return nil, apiError(http.StatusNotFound, fmt.Sprintf("tier %q has no %s quota per %s on dimension %q", bt.tier.name, unit, p.Period, p.Dimension))
+	}
 	if bt.limit == nil && p.Model != "" {
 		return nil, apiError(http.StatusNotFound, fmt.Sprintf("tier %q has no %s limit on dimension %q for model %q", bt.tier.name, unit, p.Dimension, p.Model))
 	}

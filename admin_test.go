@@ -366,3 +366,57 @@ func TestAdminOnlyOnAdminEndpoint(t *testing.T) {
 		t.Errorf("the admin endpoint: status %d, want 200", status)
 	}
 }
+
+// TestAdminQuotaAndSlots: the bucket endpoint shows a calendar quota's use
+// and the end of its window (period=month), and a concurrency limit's free
+// slots (unit=concurrent).
+func TestAdminQuotaAndSlots(t *testing.T) {
+	g := startGateway(t, `
+	token_bucket {
+		redis redis://REDIS_ADDR {
+			timeout 10s
+		}
+		key_prefix admq:
+		dimension user {http.request.header.X-User}
+		tier t {
+			user 100 1/1h
+			user 5 per month
+			user 3 concurrent
+		}
+		quota_timezone America/New_York
+	}
+	respond "site"`)
+	for i := 0; i < 2; i++ {
+		if r := g.get("X-User", "alice"); r.status != http.StatusOK {
+			t.Fatalf("request %d: status %d", i+1, r.status)
+		}
+	}
+	loc, err := time.LoadLocation("America/New_York")
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now().In(loc)
+	end := time.Date(now.Year(), now.Month()+1, 1, 0, 0, 0, 0, loc)
+	keyer := bucket.NewKeyer("admq:", "")
+
+	st := adminBucket(t, http.MethodGet, bucketQuery("dimension", "user", "period", "month", "identity", "alice"), "")
+	if st.Period != "month" || st.Used == nil || *st.Used != 2 || st.Tokens != 3 || st.Capacity != 5 ||
+		st.Key != keyer.Key("user", "alice", "month") || !st.Exists {
+		t.Errorf("quota: %+v, want used 2, 3 of 5 left at %s", st, keyer.Key("user", "alice", "month"))
+	}
+	if want := end.Format(time.RFC3339); st.ResetsAt != want {
+		t.Errorf("resets_at %q, want %q (the 1st of next month, New York time)", st.ResetsAt, want)
+	}
+	if ms := time.Until(end).Milliseconds(); st.TTLMS > ms+1 || st.TTLMS < ms-60_000 {
+		t.Errorf("ttl_ms %d, want the time until %v (%d ms)", st.TTLMS, end, ms)
+	}
+
+	st = adminBucket(t, http.MethodGet, bucketQuery("dimension", "user", "unit", "concurrent", "identity", "alice"), "")
+	if st.Unit != "concurrent" || st.Tokens != 3 || st.Capacity != 3 || st.Used != nil || st.Exists {
+		t.Errorf("slots: %+v, want 3 of 3 free, no key (no request in flight)", st)
+	}
+	if status, b := adminDo(t, http.MethodGet, bucketQuery("dimension", "user", "period", "week", "identity", "alice"), ""); status != http.StatusNotFound ||
+		!strings.Contains(b, `tier \"t\" has no requests quota per week on dimension \"user\"`) {
+		t.Errorf("a period with no quota: %d %s, want 404", status, b)
+	}
+}
