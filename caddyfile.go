@@ -48,6 +48,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			pool_size <n>
 //			breaker_failures <n>
 //			breaker_cooldown <duration>
+//			pipeline  on|off              # default on
 //		}
 //		key_prefix <string>
 //		key_secret <secret>
@@ -486,6 +487,16 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 				return argErr(d, opt, args, "no arguments")
 			}
 			h.Redis.TLS = true
+		case "pipeline":
+			v, err := oneArg(d)
+			if err != nil {
+				return err
+			}
+			if v != "on" && v != "off" {
+				return d.Errf("invalid redis pipeline %q: must be on or off", v)
+			}
+			on := v == "on"
+			h.Redis.Pipeline = &on
 		case "timeout", "breaker_cooldown":
 			v, err := oneArg(d)
 			if err != nil {

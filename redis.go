@@ -96,13 +96,27 @@ type RedisConfig struct {
 	PoolSize int `json:"pool_size,omitempty"`
 	// BreakerFailures is how many limiter calls in a row must fail before
 	// the circuit breaker opens, ≥ 0 (default and 0: 5). While it is open, no request
-	// waits on Redis: on_redis_error decides at once.
+	// waits on Redis: on_redis_error decides at once. With pipeline, the
+	// calls of one batch that failed together (a lost connection, a
+	// timeout) count as one failure.
 	BreakerFailures int `json:"breaker_failures,omitempty"`
 	// BreakerCooldown is how long the breaker stays open before it lets one
 	// call through to probe Redis (default 2s). The probe's success closes
 	// it; its failure opens it again for another cooldown.
 	BreakerCooldown caddy.Duration `json:"breaker_cooldown,omitempty"`
+	// Pipeline batches the script calls of concurrent requests (default
+	// on): the calls that arrive while one batch is under way go together
+	// as the next, one pipeline (one write, one read) on one connection,
+	// instead of one round trip each; a call that finds no batch under way
+	// goes at once, alone. Each call is still sent once and never again
+	// (see bucket.Batched), and each request keeps its own timeout. false
+	// sends every call on its own.
+	Pipeline *bool `json:"pipeline,omitempty"`
 }
+
+// DefaultPipeline is whether the script calls of concurrent requests are
+// batched when RedisConfig.Pipeline is not set.
+const DefaultPipeline = true
 
 func (c *RedisConfig) validate() error {
 	if c == nil {
@@ -238,6 +252,7 @@ func urlError(err error, secrets []string) error {
 type resolved struct {
 	opt      redis.UniversalOptions
 	cluster  bool
+	pipeline bool // batch the script calls (bucket.Batched)
 	failures int
 	cooldown time.Duration
 	ca       string // the PEM of tls_ca: another CA, or new contents, is another client
@@ -252,7 +267,10 @@ func (c *RedisConfig) resolve() (*resolved, error) {
 		c = &RedisConfig{}
 	}
 	repl := caddy.NewReplacer()
-	r := &resolved{cluster: c.Cluster, failures: c.BreakerFailures, cooldown: time.Duration(c.BreakerCooldown)}
+	r := &resolved{cluster: c.Cluster, pipeline: DefaultPipeline, failures: c.BreakerFailures, cooldown: time.Duration(c.BreakerCooldown)}
+	if c.Pipeline != nil {
+		r.pipeline = *c.Pipeline
+	}
 	o := &r.opt
 	o.Addrs = []string{"127.0.0.1:6379"}
 	if c.URL != "" {
@@ -347,7 +365,7 @@ func (r *resolved) key() string {
 		serverName, roots, skipVerify = o.TLSConfig.ServerName, o.TLSConfig.RootCAs != nil, o.TLSConfig.InsecureSkipVerify
 	}
 	k, _ := json.Marshal([]any{o.Addrs, r.cluster, o.MasterName, o.SentinelUsername, o.SentinelPassword, o.Username, o.Password, o.DB,
-		o.TLSConfig != nil, serverName, roots, skipVerify, r.ca, o.ReadTimeout, o.PoolSize, r.failures, r.cooldown})
+		o.TLSConfig != nil, serverName, roots, skipVerify, r.ca, o.ReadTimeout, o.PoolSize, r.failures, r.cooldown, r.pipeline})
 	return string(k)
 }
 
@@ -418,13 +436,21 @@ func newConn(r *resolved, logger *zap.Logger) *conn {
 	case r.cluster:
 		cc := redis.NewClusterClient(r.opt.Cluster())
 		cc.AddHook(bucket.NoRetry{}) // MaxRetries -1 does not stop its retries
-		c.client, c.store = cc, bucket.Sharded{Client: cc}
+		c.client = cc
 	case r.opt.MasterName != "":
-		fc := redis.NewFailoverClient(r.opt.Failover())
-		c.client, c.store = fc, bucket.Redis{Client: fc}
+		c.client = redis.NewFailoverClient(r.opt.Failover())
 	default:
-		sc := redis.NewClient(r.opt.Simple())
-		c.client, c.store = sc, bucket.Redis{Client: sc}
+		c.client = redis.NewClient(r.opt.Simple())
+	}
+	// The scripts go through sc: the client, or the batcher over it.
+	var sc bucket.ShardedClient = c.client
+	if r.pipeline {
+		sc = bucket.NewBatched(c.client, bucket.BatchOptions{})
+	}
+	if r.cluster {
+		c.store = bucket.Sharded{Client: sc}
+	} else {
+		c.store = bucket.Redis{Client: sc}
 	}
 	failures := uint32(r.failures)
 	c.breaker = gobreaker.NewCircuitBreaker[struct{}](gobreaker.Settings{
@@ -432,8 +458,10 @@ func newConn(r *resolved, logger *zap.Logger) *conn {
 		MaxRequests: 1,
 		Timeout:     r.cooldown,
 		ReadyToTrip: func(n gobreaker.Counts) bool { return n.ConsecutiveFailures >= failures },
-		// A client that went away says nothing about Redis.
-		IsExcluded: func(err error) bool { return errors.Is(err, context.Canceled) },
+		// A client that went away says nothing about Redis; a batch that
+		// failed (a lost connection, a timeout) is one failure, counted
+		// for the first of its calls only.
+		IsExcluded: func(err error) bool { return errors.Is(err, context.Canceled) || bucket.IsShared(err) },
 		// Runs inside the breaker's lock: it must not call the breaker.
 		OnStateChange: func(_ string, from, to gobreaker.State) {
 			breakerChanged(to)

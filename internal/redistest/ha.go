@@ -58,7 +58,14 @@ type SentinelConfig struct {
 // failover can be authorized from then on.
 func StartSentinels(t testing.TB, master *Server, replicas, n int, conf SentinelConfig) []*Server {
 	t.Helper()
-	host, port, _ := strings.Cut(master.Addr, ":")
+	return StartSentinelsAt(t, master.Addr, replicas, n, conf)
+}
+
+// StartSentinelsAt is StartSentinels for a master the Sentinels reach,
+// and name to clients, at addr: a Proxy in front of it, say.
+func StartSentinelsAt(t testing.TB, addr string, replicas, n int, conf SentinelConfig) []*Server {
+	t.Helper()
+	host, port, _ := strings.Cut(addr, ":")
 	sentinels := make([]*Server, n)
 	for i := range sentinels {
 		sentinels[i] = startWith(t, nil, func(s *Server) []string {

@@ -8,23 +8,28 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
 // Proxy is a TCP proxy on a free loopback port that forwards to a target
 // and can be told to lose one reply, as a network or a middlebox can: the
 // request reaches the server (and runs), the reply never reaches the
-// client, and the connection closes.
+// client, and the connection closes; or to hold one reply back, as a
+// congested network can, past the client's timeout.
 type Proxy struct {
 	Addr string
 	Port int
 
-	ln     net.Listener
-	target atomic.Value // string
-	cut    atomic.Value // string: lower-case text of the request whose reply to lose
-	cuts   atomic.Int64
-	mu     sync.Mutex
-	conns  []net.Conn
-	wg     sync.WaitGroup
+	ln      net.Listener
+	target  atomic.Value // string
+	cut     atomic.Value // string: lower-case text of the request whose reply to lose
+	cuts    atomic.Int64
+	hold    atomic.Value // string: lower-case text of the request whose reply to hold
+	holdFor atomic.Int64 // how long, in ns
+	holds   atomic.Int64
+	mu      sync.Mutex
+	conns   []net.Conn
+	wg      sync.WaitGroup
 }
 
 // StartProxy listens on a free port; set the target with SetTarget before
@@ -37,6 +42,7 @@ func StartProxy(t testing.TB) *Proxy {
 	}
 	p := &Proxy{ln: ln, Addr: ln.Addr().String(), Port: ln.Addr().(*net.TCPAddr).Port}
 	p.cut.Store("")
+	p.hold.Store("")
 	p.wg.Add(1)
 	go p.serve()
 	t.Cleanup(p.Close)
@@ -53,6 +59,31 @@ func (p *Proxy) LoseReplyTo(text string) { p.cut.Store(strings.ToLower(text)) }
 
 // Lost returns how many replies the proxy dropped.
 func (p *Proxy) Lost() int64 { return p.cuts.Load() }
+
+// DelayReplyTo arms the proxy once: the first request that contains text
+// (ignoring case) is forwarded at once, and the next bytes the server
+// sends back on that connection (its reply, and any other reply that is
+// ready by then) are held for d, then passed on if the client is still
+// there.
+func (p *Proxy) DelayReplyTo(text string, d time.Duration) {
+	p.holdFor.Store(int64(d))
+	p.hold.Store(strings.ToLower(text))
+}
+
+// Disarm cancels a LoseReplyTo or DelayReplyTo that has not met its
+// request yet.
+func (p *Proxy) Disarm() {
+	p.cut.Store("")
+	p.hold.Store("")
+}
+
+// Armed reports whether a LoseReplyTo or DelayReplyTo still waits for
+// its request.
+func (p *Proxy) Armed() bool { return p.cut.Load() != "" || p.hold.Load() != "" }
+
+// Delayed returns how many replies the proxy has held for their whole
+// delay (and then passed on, or found the client gone).
+func (p *Proxy) Delayed() int64 { return p.holds.Load() }
 
 // Close stops the proxy and closes every connection.
 func (p *Proxy) Close() {
@@ -82,11 +113,17 @@ func (p *Proxy) serve() {
 		p.conns = append(p.conns, client, server)
 		p.mu.Unlock()
 		var armed atomic.Bool
+		var held atomic.Int64 // ns to hold the next reply for
 		p.wg.Add(2)
 		go p.pipe(server, client, func(b []byte) bool { // client → server
 			if want := p.cut.Load().(string); want != "" && bytes.Contains(bytes.ToLower(b), []byte(want)) {
 				if p.cut.CompareAndSwap(want, "") {
 					armed.Store(true)
+				}
+			}
+			if want := p.hold.Load().(string); want != "" && bytes.Contains(bytes.ToLower(b), []byte(want)) {
+				if p.hold.CompareAndSwap(want, "") {
+					held.Store(p.holdFor.Load())
 				}
 			}
 			return true
@@ -95,6 +132,10 @@ func (p *Proxy) serve() {
 			if armed.Load() {
 				p.cuts.Add(1)
 				return false
+			}
+			if d := held.Swap(0); d > 0 {
+				time.Sleep(time.Duration(d)) // the fault being injected
+				p.holds.Add(1)
 			}
 			return true
 		})
