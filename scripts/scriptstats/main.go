@@ -445,6 +445,16 @@ func newPaths(ctx context.Context, c *redis.Client, clients int) []*path {
 	concurrent := func(p *path) {
 		p.takes[len(p.takes)-1] = bucket.Take{Spec: bucket.ConcurrencySpec(1_000_000), Cost: 1, Lease: 600_000}
 	}
+	month := bucket.WindowsAt(bucket.Month, time.UTC, time.Now())
+	quota := func(p *path) {
+		p.takes[len(p.takes)-1] = bucket.Take{Spec: bucket.QuotaSpec(1 << 50), Cost: 1, Window: &month}
+	}
+	// on_limit wait: every bucket may reserve (none needs to here).
+	waits := func(p *path) {
+		for i := range p.takes {
+			p.takes[i].MaxWaitMS = 5000
+		}
+	}
 	ours := func(p *path) { p.role = roleOurs }
 	for _, s := range []*redis.Script{noop, readFloor, writeFloor, hashBucket} {
 		if err := s.Load(ctx, c).Err(); err != nil {
@@ -477,6 +487,8 @@ func newPaths(ctx context.Context, c *redis.Client, clients int) []*path {
 		decision("allow, 3 buckets, 1 of them in shadow", 3, false, targetAllow3, shadow),
 		decision("allow, 3 buckets + 1 per model", 4, false, 0),
 		decision("allow, 3 buckets + a concurrency slot, taken and released", 4, false, 0, concurrent),
+		decision("allow, 3 buckets + 1 monthly quota", 4, false, 0, quota),
+		decision("allow, 3 buckets, on_limit wait", 3, false, 0, waits),
 		decision("deny, 1 bucket", 1, true, targetDeny),
 		decision("deny, 3 buckets", 3, true, targetDeny),
 	}
