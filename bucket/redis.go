@@ -50,8 +50,11 @@ func checkTakes(keys []string, takes []Take) error {
 		return fmt.Errorf("%d keys for %d buckets", len(keys), len(takes))
 	}
 	for _, t := range takes {
-		if t.Lease > 0 && t.Cost > 0 && t.LeaseID == "" {
+		switch {
+		case t.Lease > 0 && t.Cost > 0 && t.LeaseID == "":
 			return errors.New("a concurrency take without a lease id")
+		case t.Lease == 0 && t.Window == nil && t.Spec.Refill <= 0:
+			return errors.New("a token bucket take without a refill (a quota needs its windows)")
 		}
 	}
 	return nil

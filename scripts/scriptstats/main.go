@@ -421,7 +421,8 @@ func newPaths(ctx context.Context, c *redis.Client, clients int) []*path {
 			var keys []string
 			for i, dim := range []string{"api_key", "user", "ip", "model"}[:n] {
 				k := keyer.Key(dim, name+"-"+strconv.Itoa(cl), "")
-				prime := bucket.Take{Spec: p.takes[i].Spec, Cost: min(p.takes[i].Spec.Capacity, 10_000)}
+				prime := p.takes[i] // a quota keeps its windows
+				prime.Cost, prime.MaxWaitMS = min(prime.Spec.Capacity, 10_000), 0
 				if p.takes[i].Lease > 0 {
 					keys = append(keys, k+":concurrent") // starts empty, as a key with no request in flight
 					continue
