@@ -8,61 +8,16 @@ import (
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
 	"github.com/token-bucket/token_bucket/internal/redistest"
 )
 
 // hourTokens is the units of one token of shSpec (1/h): the scale.
 const hourTokens = 3_600_000_000
 
-// shadowRig drives the Lua script (probeScript, clock driven) and the model
-// through the same requests and requires the same decision and the same
-// stored state of every key after each.
-type shadowRig struct {
-	t     *testing.T
-	rdb   *redis.Client
-	model map[string]State
-}
-
-// step runs one request at now on both, checks that they agree, and
-// returns the decision.
-func (g *shadowRig) step(where string, now int64, keys []string, takes []Take) Decision {
-	g.t.Helper()
-	got, vals, _, err := stepAt(context.Background(), g.rdb, now, keys, takes)
-	if err != nil {
-		g.t.Fatalf("%s: %v", where, err)
-	}
-	states := make([]State, len(keys))
-	for i, k := range keys {
-		st, ok := g.model[k]
-		if !ok {
-			st = takes[i].Spec.Full()
-		}
-		states[i] = st
-	}
-	charged := make([]bool, len(keys))
-	want := Decide(now, takes, states, charged)
-	for i, k := range keys {
-		if charged[i] {
-			g.model[k] = states[i]
-		}
-	}
-	if !reflect.DeepEqual(got, want) {
-		g.t.Fatalf("%s: lua %+v\nmodel %+v", where, got, want)
-	}
-	for i, k := range keys {
-		wantVal := ""
-		if st, ok := g.model[k]; ok {
-			wantVal = EncodeState(st)
-		}
-		if vals[i] != wantVal {
-			st, _ := DecodeState(vals[i])
-			g.t.Fatalf("%s: %s holds %+v, model %+v", where, k, st, g.model[k])
-		}
-	}
-	return got
-}
+// shadowRig is exactRig (quota_test.go): the Lua script and the model
+// driven through the same requests, with the same decision, stored state
+// and TTL required after each.
+type shadowRig = exactRig
 
 // tokens returns the whole tokens the model stores at key, -1 for no key.
 func (g *shadowRig) tokens(key string) int64 {
