@@ -816,3 +816,42 @@ func TestSDKSmallTokensLimitAllowsDefaultBudget(t *testing.T) {
 		t.Errorf("%d whole tokens after the settlement, want %d plus the refill since the charge", got, capacity-used)
 	}
 }
+
+// TestSDKOpenAIChatModelQuotaAndSlot: the openai SDK's chat completions
+// (model gpt-4o-mini), answered gzip-compressed, through a tier with a
+// tokens limit scoped to that model, a monthly tokens quota and a
+// concurrency limit: each request is settled to the 21 tokens reported in
+// both the scoped bucket and the quota, and its slot is given back.
+func TestSDKOpenAIChatModelQuotaAndSlot(t *testing.T) {
+	lg := sdkGateway(t, llmLimiter("user 100000 1/1h tokens models gpt-4o-mini\n\t\t\t\tuser 1000000 per month tokens\n\t\t\t\tuser 2 concurrent",
+		"cost estimate\n\t\t\tsettle"), sdkUsage)
+	lg.up.SetEncodings("gzip")
+	user := "sdk-" + t.Name()
+	keyer := bucket.NewKeyer("rl:", "")
+	scoped := keyer.Key("user", user, "tokens:m:"+keyer.ID("gpt-4o-mini"))
+	quota, slots := keyer.Key("user", user, "tokens:month"), keyer.Key("user", user, "concurrent")
+	used := sdkUsage.Total(providertest.ChatCompletions)
+	for i := int64(1); i <= 3; i++ {
+		c := runSDK(t, "openai.chat", lg.url, sdkOptions{Headers: map[string]string{"X-User": user}, Params: map[string]any{"max_tokens": 100}})[0]
+		a := okCall(t, fmt.Sprintf("request %d", i), c)
+		if got := a.Headers["content-encoding"]; got != "gzip" {
+			t.Errorf("request %d: the SDK got Content-Encoding %q, want gzip", i, got)
+		}
+		lg.waitMarkers(scoped, int(i))
+		st, ok := lg.state(scoped)
+		if !ok || wholeTokens(st) != 100000-i*used {
+			t.Errorf("after request %d: the gpt-4o-mini bucket holds %+v, want %d whole tokens", i, st, 100000-i*used)
+		}
+		q, ok := lg.state(quota)
+		if !ok || q.Units != i*used {
+			t.Errorf("after request %d: the quota has used %+v, want %d", i, q, i*used)
+		}
+		// The slot is given back after the settlement, both after the response.
+		redistest.WaitFor(t, settleTimeout, fmt.Sprintf("the slot of request %d given back", i), func() error {
+			if n := lg.rdb.ZCard(context.Background(), slots).Val(); n != 0 {
+				return fmt.Errorf("%d concurrency slots held, want 0", n)
+			}
+			return nil
+		})
+	}
+}
