@@ -8,7 +8,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"os"
 	"regexp"
 	"sort"
 	"strconv"
@@ -622,33 +621,9 @@ const cceGatewayCaddyfile = `{
 // processes, stopped at the end of the test.
 func cceStartGateways(t *testing.T, bin, redisAddr, upstream string, n, limit int, lease string) ([]string, []*soak.Process) {
 	t.Helper()
-	dir := t.TempDir()
-	urls := make([]string, n)
-	procs := make([]*soak.Process, n)
-	t.Cleanup(func() {
-		for _, p := range procs {
-			p.Stop(10 * time.Second)
-		}
+	return gwStartWith(t, bin, "cce-gateway", n, func(port, i int) string {
+		return fmt.Sprintf(cceGatewayCaddyfile, port, redisAddr, upstream, limit, lease, i)
 	})
-	for i := range procs {
-		port := redistest.FreePort(t)
-		p, err := soak.StartCaddy(bin, dir, fmt.Sprintf("cce-gateway%d", i),
-			fmt.Sprintf(cceGatewayCaddyfile, port, redisAddr, upstream, limit, lease, i))
-		if err != nil {
-			t.Fatal(err)
-		}
-		procs[i] = p
-		urls[i] = "http://127.0.0.1:" + strconv.Itoa(port)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	for i, p := range procs {
-		if err := p.WaitHTTP(ctx, urls[i]+"/healthz"); err != nil {
-			b, _ := os.ReadFile(p.Log)
-			t.Fatalf("%v\n%s", err, b)
-		}
-	}
-	return urls, procs
 }
 
 // cceSite is an in-process site: limiter, then /dead to an upstream that

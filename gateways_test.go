@@ -89,6 +89,15 @@ func gwCaddy(t *testing.T) string {
 // the end of the test.
 func gwStart(t *testing.T, bin, redisAddr string, n int) []string {
 	t.Helper()
+	urls, _ := gwStartWith(t, bin, "gateway", n, func(port, i int) string { return fmt.Sprintf(gwCaddyfile, port, redisAddr, i) })
+	return urls
+}
+
+// gwStartWith starts n Caddy processes of bin, process i with the
+// Caddyfile config(port, i) on a free port (it must answer /healthz), and
+// returns their base URLs and processes, stopped at the end of the test.
+func gwStartWith(t *testing.T, bin, name string, n int, config func(port, i int) string) ([]string, []*soak.Process) {
+	t.Helper()
 	dir := t.TempDir()
 	urls := make([]string, n)
 	procs := make([]*soak.Process, n)
@@ -99,7 +108,7 @@ func gwStart(t *testing.T, bin, redisAddr string, n int) []string {
 	})
 	for i := range procs {
 		port := redistest.FreePort(t)
-		p, err := soak.StartCaddy(bin, dir, fmt.Sprintf("gateway%d", i), fmt.Sprintf(gwCaddyfile, port, redisAddr, i))
+		p, err := soak.StartCaddy(bin, dir, fmt.Sprintf("%s%d", name, i), config(port, i))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -114,7 +123,7 @@ func gwStart(t *testing.T, bin, redisAddr string, n int) []string {
 			t.Fatalf("%v\n%s", err, b)
 		}
 	}
-	return urls
+	return urls, procs
 }
 
 // gwUser is one identity of the load: its tier, org and bucket capacity.
