@@ -77,12 +77,7 @@ func (s *slots) renew() {
 		return
 	}
 	h := s.h
-	var held int64
-	err := h.conn.call(context.Background(), h.conn.timeout, func(ctx context.Context) error {
-		var err error
-		held, err = h.conn.store.(leaser).Renew(ctx, s.keys, s.id, h.leaseMS)
-		return err
-	})
+	held, err := h.conn.lease(context.Background(), s.keys, s.id, h.leaseMS)
 	switch {
 	case err != nil:
 		h.logger.Warn("renewing concurrency slots failed; they lapse unless a later renewal succeeds",
@@ -116,19 +111,8 @@ func (s *slots) release() {
 		h.local.Release(s.keys, s.takes)
 		return
 	}
-	err := h.conn.call(context.Background(), h.conn.timeout, func(ctx context.Context) error {
-		_, err := h.conn.store.(leaser).Release(ctx, s.keys, s.id)
-		return err
-	})
-	if err != nil {
+	if _, err := h.conn.lease(context.Background(), s.keys, s.id, 0); err != nil {
 		h.logger.Warn("releasing concurrency slots failed; they lapse with their lease",
 			zap.Duration("concurrency_lease", time.Duration(h.ConcurrencyLease)), zap.Error(err))
 	}
-}
-
-// leaser is a store that holds concurrency leases: bucket.Redis and
-// bucket.Sharded.
-type leaser interface {
-	Renew(ctx context.Context, keys []string, id string, lease int64) (int64, error)
-	Release(ctx context.Context, keys []string, id string) (int64, error)
 }

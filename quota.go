@@ -86,11 +86,7 @@ func (h *Handler) await(x *exchange, v *verdict) bool {
 		}
 	}
 	// The client is gone: the refund is the gateway's own call.
-	err := h.conn.call(context.WithoutCancel(x.r.Context()), h.conn.timeout, func(ctx context.Context) error {
-		_, err := h.conn.store.(refunder).Refund(ctx, keys, takes)
-		return err
-	})
-	if err != nil {
+	if err := h.conn.refund(context.WithoutCancel(x.r.Context()), keys, takes); err != nil {
 		h.logger.Warn("giving back the reservation of a client that left failed; its tokens stay charged", zap.Error(err))
 	}
 	return false
@@ -100,10 +96,4 @@ func (h *Handler) await(x *exchange, v *verdict) bool {
 func (h *Handler) unwait() {
 	h.waiting.Add(-1)
 	tbMetrics.waiting.Dec()
-}
-
-// refunder is a store that gives back what a decision charged:
-// bucket.Redis and bucket.Sharded.
-type refunder interface {
-	Refund(ctx context.Context, keys []string, takes []bucket.Take) (int64, error)
 }

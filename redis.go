@@ -531,6 +531,50 @@ func (c *conn) settle(ctx context.Context, id string, keys []string, adj []bucke
 	})
 }
 
+// leaser is a store that holds concurrency leases: bucket.Redis and
+// bucket.Sharded.
+type leaser interface {
+	Renew(ctx context.Context, keys []string, id string, lease int64) (int64, error)
+	Release(ctx context.Context, keys []string, id string) (int64, error)
+}
+
+// lease extends the lease id on the concurrency keys to lease ms (> 0) and
+// returns how many keys still held it; lease 0 releases it and returns
+// the slots given back. Like settle, one call through the breaker.
+func (c *conn) lease(ctx context.Context, keys []string, id string, lease int64) (held int64, err error) {
+	l, ok := c.store.(leaser)
+	if !ok {
+		return 0, nil
+	}
+	err = c.call(ctx, c.timeout, func(ctx context.Context) error {
+		if lease > 0 {
+			held, err = l.Renew(ctx, keys, id, lease)
+		} else {
+			held, err = l.Release(ctx, keys, id)
+		}
+		return err
+	})
+	return held, err
+}
+
+// refunder is a store that gives back what a decision charged:
+// bucket.Redis and bucket.Sharded.
+type refunder interface {
+	Refund(ctx context.Context, keys []string, takes []bucket.Take) (int64, error)
+}
+
+// refund gives back what an allowed decision charged on keys.
+func (c *conn) refund(ctx context.Context, keys []string, takes []bucket.Take) error {
+	r, ok := c.store.(refunder)
+	if !ok {
+		return nil
+	}
+	return c.call(ctx, c.timeout, func(ctx context.Context) error {
+		_, err := r.Refund(ctx, keys, takes)
+		return err
+	})
+}
+
 // ping checks that Redis answers within the timeout, whatever the
 // breaker's state.
 func (c *conn) ping(ctx context.Context) error {
