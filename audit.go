@@ -145,10 +145,7 @@ func (a *auditor) denied(r *http.Request, t *tier, req *request, d *bucket.Decis
 		return
 	}
 	l, b := req.limits[i], &d.Buckets[i]
-	unit := l.unit
-	if unit == "" {
-		unit = UnitRequests
-	}
+	unit := unitName(l)
 	fields := make([]zap.Field, 0, 12)
 	fields = append(fields,
 		zap.String("tier", t.name),

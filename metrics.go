@@ -312,10 +312,7 @@ func (h *Handler) provisionObservability(ctx caddy.Context) error {
 		m.tiers[t] = &outcomes
 		for i := range t.limits {
 			l := &t.limits[i]
-			unit := l.unit
-			if unit == "" {
-				unit = UnitRequests
-			}
+			unit := unitName(l)
 			if l.period != 0 {
 				unit += "-per-" + l.period.String() // a quota's charges apart from its unit's bucket
 			}
