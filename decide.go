@@ -76,7 +76,7 @@ func (h *Handler) decide(x *exchange) verdict {
 			}
 		}
 	}
-	start := h.now()
+	start := x.clock(h) // the one clock read of the request, which its quota windows used
 	req.decidedAt = start.UnixMicro()
 	held := h.reserve(req)
 	d, err := h.conn.take(x.r.Context(), req.keys, req.takes)
