@@ -229,6 +229,9 @@ func main() {
 const (
 	targetOverFloor     = 1.0
 	targetOverRedisRate = 3.0
+	// Redis CPU per decision, batched, over the same decision unbatched
+	// (redis { pipeline off }: each call its own round trip).
+	targetCPUOverUnbatched = 0.6
 )
 
 // printPeers prints the comparison of this project's 3-dimension decision
@@ -241,8 +244,7 @@ func printPeers(paths []*path, sts []stats, clients int) {
 		switch p.role {
 		case roleOurs:
 			ours = i
-			rows = append([]int{i}, rows...)
-		case rolePeer:
+		case roleUnbatched, rolePeer:
 			rows = append(rows, i)
 		case roleFloor:
 			floor = i
@@ -251,12 +253,14 @@ func printPeers(paths []*path, sts []stats, clients int) {
 	if ours < 0 || floor < 0 {
 		return
 	}
-	rows = append(rows, floor)
+	rows = append(append([]int{ours}, rows...), floor)
 	fmt.Printf("\n### Peers and the floor: 3-dimension decisions, every bucket allowing, %d callers (medians over the batches)\n\n", clients)
-	fmt.Println("A decision decides all three dimensions: this project's is one EVALSHA, a peer's one call per dimension,")
-	fmt.Println("the floor's one PING (the least that any design making one unbatched round trip per decision pays).")
-	fmt.Println("Ratios: the row's figure over this project's and over the floor's, of the medians; in brackets, the")
-	fmt.Println("median of the ratios batch by batch (the paths took turns, so each batch's pair ran seconds apart).")
+	fmt.Println("A decision decides all three dimensions: this project's is one EVALSHA, batched with the concurrent")
+	fmt.Println("callers' as the gateway sends it by default (redis { pipeline on }), or each on its own (pipeline off);")
+	fmt.Println("a peer's is one call per dimension, the floor's one PING (the least that any design making one")
+	fmt.Println("unbatched round trip per decision pays). Ratios: the row's figure over this project's and over the")
+	fmt.Println("floor's, of the medians; in brackets, the median of the ratios batch by batch (the paths took turns,")
+	fmt.Println("so each batch's pair ran seconds apart).")
 	fmt.Println()
 	fmt.Println("| design | Redis calls per decision | decisions/s | ÷ this project | ÷ PING floor | redis-server CPU µs per decision | ÷ this project | ÷ PING floor | µs executing commands per decision |")
 	fmt.Println("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -264,8 +268,11 @@ func printPeers(paths []*path, sts []stats, clients int) {
 	for _, i := range rows {
 		p, st := paths[i], sts[i]
 		name := p.name
-		if i == ours {
-			name = "this project: " + name
+		switch p.role {
+		case roleOurs:
+			name = "this project: " + name + " (pipeline on, the default)"
+		case roleUnbatched:
+			name = "this project: " + name + ", unbatched (pipeline off)"
 		}
 		fmt.Printf("| %s | %d | %.0f | %.2f [%.2f] | %.2f [%.2f] | %.2f | %.2f [%.2f] | %.2f [%.2f] | %.2f |\n", name, max(1, p.evals), st.rate,
 			st.rate/o.rate, pairedRatio(st.batches.rate, o.batches.rate), st.rate/f.rate, pairedRatio(st.batches.rate, f.batches.rate),
@@ -273,19 +280,22 @@ func printPeers(paths []*path, sts []stats, clients int) {
 			st.perCall)
 	}
 	fmt.Println()
-	fmt.Println("| this project's decision against | decisions/s, × | redis-server CPU per decision, × | target | |")
+	fmt.Println("| this project's decision (batched) against | decisions/s, × | redis-server CPU per decision, × | target | |")
 	fmt.Println("|---|---:|---:|---|---|")
 	for _, i := range rows[1:] {
 		p, st := paths[i], sts[i]
-		x := pairedRatio(o.batches.rate, st.batches.rate)
-		target, verdict := "", ""
+		x, cpu := pairedRatio(o.batches.rate, st.batches.rate), pairedRatio(o.batches.cpu, st.batches.cpu)
+		name, target, verdict := p.name, "", ""
 		switch {
+		case p.role == roleUnbatched:
+			name = "the same decision, unbatched"
+			target, verdict = fmt.Sprintf("Redis CPU ≤ %.1f×", targetCPUOverUnbatched), yes(cpu <= targetCPUOverUnbatched)
 		case p.role == roleFloor:
 			target, verdict = fmt.Sprintf("decisions/s ≥ %.1f×", targetOverFloor), yes(x >= targetOverFloor)
 		case strings.HasPrefix(p.name, "redis_rate"):
 			target, verdict = fmt.Sprintf("decisions/s ≥ %.0f×", targetOverRedisRate), yes(x >= targetOverRedisRate)
 		}
-		fmt.Printf("| %s | %.2f | %.2f | %s | %s |\n", p.name, x, pairedRatio(o.batches.cpu, st.batches.cpu), target, verdict)
+		fmt.Printf("| %s | %.2f | %.2f | %s | %s |\n", name, x, cpu, target, verdict)
 	}
 }
 
@@ -355,10 +365,11 @@ type path struct {
 type role uint8
 
 const (
-	roleOther role = iota
-	roleOurs       // this project's 3-dimension decision, allowed
-	rolePeer       // another design's 3-dimension decision, allowed
-	roleFloor      // one PING per decision
+	roleOther     role = iota
+	roleOurs           // this project's 3-dimension decision, allowed, batched (the default)
+	roleUnbatched      // the same, each call on its own (redis { pipeline off })
+	rolePeer           // another design's 3-dimension decision, allowed
+	roleFloor          // one PING per decision
 )
 
 // leased reports whether the path takes a concurrency slot.
@@ -456,7 +467,7 @@ func newPaths(ctx context.Context, c *redis.Client, clients int) []*path {
 			p.takes[i].MaxWaitMS = 5000
 		}
 	}
-	ours := func(p *path) { p.role = roleOurs }
+	unbatched := func(p *path) { p.role = roleUnbatched }
 	for _, s := range []*redis.Script{noop, readFloor, writeFloor, hashBucket} {
 		if err := s.Load(ctx, c).Err(); err != nil {
 			fail("loading a script: %v", err)
@@ -484,7 +495,7 @@ func newPaths(ctx context.Context, c *redis.Client, clients int) []*path {
 		floor("TIME+GET script (floor of a 1-bucket deny)", readFloor),
 		floor("TIME+GET+SET script (floor of a 1-bucket allow)", writeFloor),
 		decision("allow, 1 bucket", 1, false, targetAllow1),
-		decision("allow, 3 buckets", 3, false, targetAllow3, ours),
+		decision("allow, 3 buckets", 3, false, targetAllow3, unbatched),
 		decision("allow, 3 buckets, 1 of them in shadow", 3, false, targetAllow3, shadow),
 		decision("allow, 3 buckets + 1 per model", 4, false, 0),
 		decision("allow, 3 buckets + a concurrency slot, taken and released", 4, false, 0, concurrent),
@@ -493,6 +504,16 @@ func newPaths(ctx context.Context, c *redis.Client, clients int) []*path {
 		decision("deny, 1 bucket", 1, true, targetDeny),
 		decision("deny, 3 buckets", 3, true, targetDeny),
 	}
+
+	// The gateway's default: the same decision through bucket.Batched
+	// (redis { pipeline on }), on a client of its own as the gateway's,
+	// with retries off. Calls that meet a batch under way share the next.
+	bc := redis.NewClient(&redis.Options{Addr: c.Options().Addr, PoolSize: clients + 4, MaxRetries: -1,
+		ReadTimeout: 5 * time.Second, WriteTimeout: 5 * time.Second})
+	batched := decision("allow, 3 buckets, batched", 3, false, 0)
+	batched.role = roleOurs
+	batched.call = takeCall(batched, bucket.Redis{Client: bucket.NewBatched(bc, bucket.BatchOptions{})})
+	paths = append(paths, batched)
 
 	// The same decisions as FCALLs of lua.Source loaded as a function,
 	// on the same keys. Redis before 7.0 has no functions: the paths are
