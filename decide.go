@@ -123,29 +123,53 @@ func invalidVerdict(t *tier, err error) verdict {
 // the unit asked for (tokens or requests) is known to deny its cost, a
 // denial that speaks of those buckets.
 func (h *Handler) cachedDenial(t *tier, req *request, tokens bool) (verdict, bool) {
-	var sub *request
-	var results []bucket.Result
+	var found [4]cachedBucket // room on the stack for the usual few
+	hits := found[:0]
 	for i, k := range req.keys {
 		if l := req.limits[i]; l.tokens != tokens || l.shadow || l.concurrent {
 			continue
 		}
-		wait, remaining, ok := h.denials.Check(k, req.takes[i].Cost)
-		if !ok {
-			continue
+		if wait, remaining, ok := h.denials.Check(k, req.takes[i].Cost); ok {
+			hits = append(hits, cachedBucket{i: i, waitMS: wait, remaining: remaining})
 		}
-		if sub == nil { // room for this bucket and every one after it
-			sub = newRequest(len(req.keys) - i)
-			results = make([]bucket.Result, 0, len(req.keys)-i)
-		}
-		sub.keys, sub.takes, sub.limits = append(sub.keys, k), append(sub.takes, req.takes[i]), append(sub.limits, req.limits[i])
-		results = append(results, bucket.Result{Remaining: remaining, Reason: bucket.RateLimited, RetryAfterMS: wait})
 	}
-	if sub == nil {
+	if len(hits) == 0 {
 		return verdict{}, false
+	}
+	sub, results := newDenial(len(hits))
+	for j, c := range hits {
+		sub.keys, sub.takes, sub.limits = append(sub.keys, req.keys[c.i]), append(sub.takes, req.takes[c.i]), append(sub.limits, req.limits[c.i])
+		results[j] = bucket.Result{Remaining: c.remaining, Reason: bucket.RateLimited, RetryAfterMS: c.waitMS}
 	}
 	v := decidedVerdict(t, sub, bucket.Summarize(results), false)
 	v.policy = req.limits
 	return v, true
+}
+
+// cachedBucket is a bucket of a request that the deny cache knows to
+// deny: its index in the request, the wait in milliseconds and the whole
+// tokens it held (see bucket.DenyCache.Check).
+type cachedBucket struct {
+	i                 int
+	waitMS, remaining int64
+}
+
+// denialOf1 holds the request and the result of a cached denial by one
+// bucket, the usual case, so that it is one allocation.
+type denialOf1 struct {
+	requestOf1
+	results [1]bucket.Result
+}
+
+// newDenial returns an empty request with room for n buckets and their n
+// results, for a cached denial.
+func newDenial(n int) (*request, []bucket.Result) {
+	if n == 1 {
+		b := new(denialOf1)
+		b.req = request{keys: b.keys[:0], takes: b.takes[:0], limits: b.limits[:0]}
+		return &b.req, b.results[:]
+	}
+	return newRequest(n), make([]bucket.Result, n)
 }
 
 // decideDemote decides the request under the demotion rule, in one round

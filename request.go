@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"net/http"
 	"net/netip"
+	"net/textproto"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -311,6 +312,11 @@ func (h *Handler) identity(repl *caddy.Replacer, i int) string {
 // returns the placeholder's value as a string, or an error when it is
 // unknown or empty. Keys with braces or escapes, and {file.*} (memoized
 // by the replacer), are left to ReplaceOrErr.
+//
+// The field name of a {http.request.header.*} key is canonicalized here,
+// once, as Caddy's replacer canonicalizes it on every lookup
+// (textproto.CanonicalMIMEHeaderKey): "X-API-Key" would otherwise cost an
+// allocation per request.
 func placeholderKey(template string) string {
 	if len(template) < 3 || template[0] != '{' || template[len(template)-1] != '}' {
 		return ""
@@ -319,8 +325,15 @@ func placeholderKey(template string) string {
 	if strings.ContainsAny(key, `{}\`) || strings.HasPrefix(key, "file.") {
 		return ""
 	}
+	if field, ok := strings.CutPrefix(key, reqHeaderPlaceholder); ok {
+		key = reqHeaderPlaceholder + textproto.CanonicalMIMEHeaderKey(field)
+	}
 	return key
 }
+
+// reqHeaderPlaceholder starts the placeholders of request header fields,
+// {http.request.header.<field>}.
+const reqHeaderPlaceholder = "http.request.header."
 
 // normalizeIdentity gives an identity its form in keys: an IP address is
 // masked to ipv4_prefix / ipv6_prefix bits (an IPv4-mapped IPv6 address
