@@ -24,9 +24,12 @@
 #          (b) token_bucket allowed, (c) denied from the deny cache,
 #          (d) token_bucket + reverse_proxy, (e) reverse_proxy alone,
 #          (f) mholt/caddy-ratelimit (in memory), (g) the floor: one
-#          go-redis PING per request (bench/pingfloor); the configurations
-#          alternate for BENCH_ROUNDS rounds, medians and ratios are
-#          reported, every configuration against (a), (f) and (g)
+#          go-redis PING per request (bench/pingfloor); with BENCH_BASELINE,
+#          (h) the same as (b) served by a second Caddy built from an
+#          earlier revision of this repository (bench/baseline.Caddyfile), so
+#          that a change's effect on the gateway is measured in one run; the
+#          configurations alternate for BENCH_ROUNDS rounds, medians and
+#          ratios are reported, every configuration against (a), (f) and (g)
 #
 # bin/caddy-bench is bin/caddy's xcaddy build (scripts/build-caddy.sh
 # --print-xcaddy) plus two plugins for the benchmark only: bench/pingfloor
@@ -46,13 +49,18 @@
 # summary.md, which is printed at the end. The load average is recorded
 # before each phase: a busy machine makes every figure worse.
 #
+# BENCH_BASELINE is a git revision (a commit, a tag) of this repository:
+# its tree is built with its own scripts/build-caddy.sh into
+# bin/caddy-baseline-<commit> (once; kept like bin/caddy-bench), which serves
+# (h). Its Caddyfile syntax must accept bench/baseline.Caddyfile.
+#
 # Environment (defaults): BENCH_PHASES (go,redis,instr,http), BENCH_GO_COUNT (3),
 # BENCH_GO_BENCHTIME (500ms), BENCH_GO_PATTERN (.), BENCH_GO_PKGS
 # (". ./bucket": every benchmark of the two packages), BENCH_ROUNDS (3),
 # BENCH_DURATION (10, seconds per wrk run), BENCH_THREADS (2),
 # BENCH_CONNECTIONS (50), BENCH_PIN (1), BENCH_CALLS (100000, scriptstats
 # calls per path), BENCH_SAMPLES (20000, scriptstats round trips per path
-# from one caller), BENCH_INSTR_CALLS (1200), BENCH_RATELIMIT_VERSION
+# from one caller), BENCH_INSTR_CALLS (1200), BENCH_BASELINE (none), BENCH_RATELIMIT_VERSION
 # (v0.1.0), BENCH_OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -73,6 +81,11 @@ RATELIMIT_VERSION="${BENCH_RATELIMIT_VERSION:-v0.1.0}"
 INSTR_CALLS="${BENCH_INSTR_CALLS:-1200}"
 OUT="${BENCH_OUT:-.run/bench/$(date -u +%Y%m%dT%H%M%SZ)}"
 CONFIGS="a b c d e f g"
+BASELINE="${BENCH_BASELINE:-}"
+if [ -n "$BASELINE" ]; then
+	BASELINE="$(git rev-parse --verify "$BASELINE^{commit}")"
+	CONFIGS+=" h"
+fi
 if [ "$PIN" = 1 ] && { [ "$(nproc)" -lt 2 ] || ! command -v taskset >/dev/null 2>&1; }; then
 	PIN=0
 fi
@@ -363,18 +376,19 @@ cpu_ticks() { awk '{ sub(/^.*\) /, ""); print $12 + $13 }' "/proc/$1/stat"; }
 # EVALSHA and PING calls Redis ran meanwhile and the CPU ticks each server
 # used.
 run_wrk() {
-	local calls pings ticks=() p i=0
+	local calls pings ticks=() names=(gateway upstream redis) pids i
 	calls="$(command_calls evalsha)"
 	pings="$(command_calls ping)"
-	for p in "$gateway_pid" "$upstream_pid" "$redis_pid"; do ticks+=("$(cpu_ticks "$p")"); done
+	# (h) is served by the baseline's own gateway process.
+	pids=("$gateway_pid" "$upstream_pid" "$redis_pid")
+	[ "$1" = h ] && pids[0]="$baseline_pid"
+	for i in 0 1 2; do ticks+=("$(cpu_ticks "${pids[i]}")"); done
 	client wrk -t"$THREADS" -c"$CONNECTIONS" -d"$2s" --latency \
 		-H 'X-User: bench-user' -H 'X-API-Key: bench-key' "http://127.0.0.1:${port[$1]}/" >"$3"
 	echo "evalsha_calls $(($(command_calls evalsha) - calls))" >>"$3"
 	echo "ping_calls $(($(command_calls ping) - pings))" >>"$3"
-	for p in gateway upstream redis; do
-		local pid_var="${p}_pid"
-		echo "cpu_$p $(($(cpu_ticks "${!pid_var}") - ticks[i]))" >>"$3"
-		i=$((i + 1))
+	for i in 0 1 2; do
+		echo "cpu_${names[i]} $(($(cpu_ticks "${pids[i]}") - ticks[i]))" >>"$3"
 	done
 }
 
@@ -413,8 +427,29 @@ build_caddy_bench() {
 	echo "$stamp" >"$out.stamp"
 }
 
+# build_caddy_baseline builds bin/caddy-baseline-<commit> from the tree of
+# commit $BASELINE with that tree's own scripts/build-caddy.sh, once.
+build_caddy_baseline() {
+	baseline_bin="bin/caddy-baseline-$BASELINE"
+	if [ -x "$baseline_bin" ]; then
+		echo "$baseline_bin is built"
+		return
+	fi
+	local src="$tmp/baseline"
+	mkdir -p "$src" bin
+	git archive "$BASELINE" | tar -x -C "$src"
+	echo "building $baseline_bin with the tree's scripts/build-caddy.sh"
+	if ! (cd "$src" && scripts/build-caddy.sh) >"bin/caddy-baseline.log" 2>&1; then
+		tail -n 40 bin/caddy-baseline.log >&2
+		echo "the build of $BASELINE failed; full log: bin/caddy-baseline.log" >&2
+		exit 1
+	fi
+	mv "$src/bin/caddy" "$baseline_bin"
+}
+
 start_caddy() {
 	build_caddy_bench
+	[ -n "$BASELINE" ] && build_caddy_baseline
 	start_redis 0
 	export BENCH_REDIS_URL="redis://127.0.0.1:$redis_port"
 	export BENCH_PORT_UPSTREAM
@@ -431,6 +466,10 @@ start_caddy() {
 	upstream_pid=$started
 	start_server 0 "$OUT/caddy-gateway.log" ./bin/caddy-bench run --config bench/e2e.Caddyfile --adapter caddyfile
 	gateway_pid=$started
+	if [ -n "$BASELINE" ]; then
+		start_server 0 "$OUT/caddy-baseline.log" "./$baseline_bin" run --config bench/baseline.Caddyfile --adapter caddyfile
+		baseline_pid=$started
+	fi
 	wait_port "$BENCH_PORT_UPSTREAM"
 	for c in $CONFIGS; do wait_port "${port[$c]}"; done
 }
@@ -506,6 +545,7 @@ http_summary() {
 		[e]="reverse_proxy alone"
 		[f]="mholt/caddy-ratelimit, in memory, one zone keyed by the 3 dimensions"
 		[g]="floor: one go-redis PING per request (bench_ping_floor)"
+		[h]="as (b), at ${BASELINE:0:12} (the baseline)"
 	)
 	local c r f warnings=()
 	say '```'
@@ -569,6 +609,11 @@ http_summary() {
 	ratio "(b)/(f): limiter allowed / caddy-ratelimit" b f
 	ratio "(f)/(a): caddy-ratelimit / respond" f a
 	ratio "(g)/(a): the PING floor / respond" g a
+	if [ -n "$BASELINE" ]; then
+		ratio "(b)/(h): gateway CPU per allowed request, this tree / the baseline" b h 0.75 gw "<="
+		ratio "(b)/(h): redis-server CPU per allowed request, this tree / the baseline" b h 0.6 redis "<="
+		ratio "(b)/(h): limiter allowed, this tree / the baseline" b h
+	fi
 	say ""
 	say "Every configuration against (a) plain respond, (f) caddy-ratelimit and (g) the PING floor: the ratio"
 	say "of the medians, in brackets the median of the rounds' ratios. CPU: all server processes' CPU µs per request."
@@ -583,13 +628,14 @@ http_summary() {
 }
 
 # metric prints figure $3 of config $1 in round $2: rps (requests per
-# second), gw (the gateway's CPU µs per request) or cpu (every server
-# process's CPU µs per request).
+# second), gw (the gateway's CPU µs per request), redis (redis-server's
+# CPU µs per request) or cpu (every server process's CPU µs per request).
 metric() {
 	local f="$OUT/wrk-$1-$2.txt"
 	case "$3" in
 	rps) field "$f" rps ;;
 	gw) awk -v t="$(field "$f" cpu_gateway)" -v n="$(field "$f" requests)" -v hz="$HZ" 'BEGIN { print t * 1e6 / hz / n }' ;;
+	redis) awk -v t="$(field "$f" cpu_redis)" -v n="$(field "$f" requests)" -v hz="$HZ" 'BEGIN { print t * 1e6 / hz / n }' ;;
 	cpu) awk -v t="$(($(field "$f" cpu_gateway) + $(field "$f" cpu_upstream) + $(field "$f" cpu_redis)))" \
 		-v n="$(field "$f" requests)" -v hz="$HZ" 'BEGIN { print t * 1e6 / hz / n }' ;;
 	esac
