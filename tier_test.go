@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
 	"github.com/token-bucket/token_bucket/bucket"
 )
@@ -93,9 +94,27 @@ func TestLonePlaceholderIdentity(t *testing.T) {
 		}
 	}
 	for tmpl, want := range map[string]string{"{s}": "s", "{http.request.header.X-User}": "http.request.header.X-User",
+		"{http.request.header.X-API-Key}": "http.request.header.X-Api-Key", "{http.request.header.x odd}": "http.request.header.x odd",
 		"{}": "", "x{s}": "", "{s}{n}": "", `{s\}`: "", "{file.key}": ""} {
 		if got := placeholderKey(tmpl); got != want {
 			t.Errorf("placeholderKey(%q) = %q, want %q", tmpl, got, want)
+		}
+	}
+}
+
+// TestHeaderIdentityCanonical: a lone {http.request.header.*} identity,
+// its field name canonicalized at provision, reads the header as Caddy's
+// replacer does for the name as written, whatever its case.
+func TestHeaderIdentityCanonical(t *testing.T) {
+	r := httptest.NewRequest("GET", "/", nil)
+	r.Header.Set("X-API-Key", "sk-1")
+	repl := caddyhttp.NewTestReplacer(r)
+	for _, tmpl := range []string{"{http.request.header.X-API-Key}", "{http.request.header.x-api-key}", "{http.request.header.X-Api-Key}", "{http.request.header.X-Other}"} {
+		dims := []Dimension{{Name: "d", Identity: tmpl}}
+		fast := &Handler{Dimensions: dims, idKeys: []string{placeholderKey(tmpl)}}
+		slow := &Handler{Dimensions: dims} // no idKeys: ReplaceOrErr
+		if got, want := fast.identity(repl, 0), slow.identity(repl, 0); got != want {
+			t.Errorf("template %q (key %q): identity %q, ReplaceOrErr gives %q", tmpl, fast.idKeys[0], got, want)
 		}
 	}
 }
