@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -15,10 +16,20 @@ import (
 // from concurrent callers share writes to Redis: the calls that arrive
 // while a batch is under way wait, and go as the next batch, one pipeline
 // (one write, one read) for the lot. A caller that finds no batch under
-// way sends its call at once, on its own goroutine, as a plain client
-// would: batching costs nothing at low load. There is no goroutine of its
-// own: the first caller of each batch sends it (it leads), and hands the
-// next batch to the first caller queued behind it.
+// way leads the next one: it yields its processor once (runtime.Gosched),
+// so that the goroutines already runnable on it (the gateway's other
+// requests, each on its way to its own call) can queue behind it, then
+// sends what has queued, on its own goroutine, as a plain client would.
+// With nothing else runnable the yield returns at once: batching costs
+// nothing at low load. Without it, a request whose Redis answers before
+// the next request runs (a gateway and its Redis on one core, a fast
+// network) would send every call alone. In make bench's pinned setup
+// (configuration (b), a CPU profile of the gateway), 97% of the time spent
+// sending went to batches of one call without the yield, 11% with it, and
+// the gateway's CPU per allowed request fell from 83–87 µs to 47–49 µs.
+// There is no goroutine of its own: the first caller of each batch sends
+// it (it leads), and hands the next batch to the first caller queued
+// behind it.
 //
 // A script never runs twice. A batch is sent once, by Client.Process (one
 // call) or Pipeline.Exec (several), with every command reporting NoRetry,
@@ -216,6 +227,9 @@ func (b *Batched) do(w *waiter) error {
 	b.mu.Lock()
 	if b.running < b.inFlight {
 		b.running++
+		b.mu.Unlock()
+		runtime.Gosched() // let the calls about to be made join this batch
+		b.mu.Lock()
 		batch := b.takeLocked(w)
 		b.mu.Unlock()
 		b.lead(w, batch)
