@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -287,6 +288,49 @@ func TestBatchedSharesOneWrite(t *testing.T) {
 	}
 	if n := btScriptRuns(t, e.admin) - before; n != int64(len(names))+1 {
 		t.Errorf("redis ran %d scripts, want %d", n, len(names)+1)
+	}
+}
+
+// TestBatchedYieldGathersRunnable: on one processor, callers that are
+// runnable when a caller finds no batch under way join its batch: the
+// leader yields before it sends. Each round starts 10 callers at once;
+// without the yield the first would send alone and the 9 others after it
+// (2 sends a round, 40 in all); with it a round is one pipeline, or two
+// when the scheduler happens to resume the leader first (it polls its
+// global queue, where the yield puts the leader, every 61st schedule).
+func TestBatchedYieldGathersRunnable(t *testing.T) {
+	e := newBTEnv(t, 5*time.Second)
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
+	const rounds, callers = 20, 10
+	e.sent.reset()
+	for r := range rounds {
+		names := btNames("yield-"+strconv.Itoa(r)+"-", callers)
+		var wg sync.WaitGroup
+		errs := make([]error, callers)
+		for i, name := range names {
+			wg.Go(func() { _, errs[i] = e.take(name, 5*time.Second) })
+		}
+		wg.Wait()
+		for i, name := range names {
+			if errs[i] != nil {
+				t.Fatalf("%s: %v", name, errs[i])
+			}
+			if n := e.charges(t, name); n != 1 {
+				t.Fatalf("%s charged %d times, want 1", name, n)
+			}
+		}
+	}
+	alone, pipelines := e.sent.reset()
+	calls := alone
+	for _, n := range pipelines {
+		calls += n
+	}
+	if calls != rounds*callers {
+		t.Fatalf("sent %d calls, want %d", calls, rounds*callers)
+	}
+	if sends := alone + len(pipelines); sends > rounds+rounds/2 {
+		t.Errorf("%d sends for %d rounds of %d callers (%d alone, pipelines %v); want at most %d: the callers did not join the leader's batch",
+			sends, rounds, callers, alone, pipelines, rounds+rounds/2)
 	}
 }
 
