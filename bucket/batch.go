@@ -25,8 +25,12 @@ import (
 // the next request runs (a gateway and its Redis on one core, a fast
 // network) would send every call alone. In make bench's pinned setup
 // (configuration (b), a CPU profile of the gateway), 97% of the time spent
-// sending went to batches of one call without the yield, 11% with it, and
-// the gateway's CPU per allowed request fell from 83–87 µs to 47–49 µs.
+// sending went to batches of one call without the yield, 11% with it.
+// The yield gathers only goroutines already runnable, not those whose
+// requests wait in the netpoller, so with one processor beside its Redis
+// a gateway still has runs where batches stay small (BENCHMARKS.md: 47–59
+// µs of gateway CPU per allowed request where they form, 72–87 µs where
+// they do not, as without the yield).
 // There is no goroutine of its own: the first caller of each batch sends
 // it (it leads), and hands the next batch to the first caller queued
 // behind it.
