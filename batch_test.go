@@ -153,34 +153,6 @@ func (h *bfHandler) ipCharges(t *testing.T) int64 {
 	return h.charges(t, h.keyer.Key("ip", bfIP+"/32", ""), bfIPCap)
 }
 
-// scriptRuns is how many scripts the server has run to the end: EVAL and
-// EVALSHA calls less the failed ones (NOSCRIPT).
-func (h *bfHandler) scriptRuns(t *testing.T) int64 {
-	t.Helper()
-	info, err := h.admin.Info(context.Background(), "commandstats").Result()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var n int64
-	for _, line := range strings.Split(info, "\r\n") {
-		name, stats, _ := strings.Cut(line, ":")
-		if name != "cmdstat_evalsha" && name != "cmdstat_eval" {
-			continue
-		}
-		for _, kv := range strings.Split(stats, ",") {
-			k, v, _ := strings.Cut(kv, "=")
-			i, _ := strconv.ParseInt(v, 10, 64)
-			switch k {
-			case "calls":
-				n += i
-			case "failed_calls":
-				n -= i
-			}
-		}
-	}
-	return n
-}
-
 // settle waits until no call is queued or under way and the server's
 // script count stands still: every call sent has run.
 func (h *bfHandler) settle(t *testing.T) int64 {
@@ -190,7 +162,7 @@ func (h *bfHandler) settle(t *testing.T) int64 {
 		if q, r := h.b.Pending(); q != 0 || r != 0 {
 			return fmt.Errorf("%d queued, %d batches under way", q, r)
 		}
-		n := h.scriptRuns(t)
+		n := redistest.ScriptRuns(t, h.admin)
 		if n != last {
 			last = n
 			return fmt.Errorf("%d scripts run", n)

@@ -9,7 +9,6 @@ import (
 	"runtime"
 	"slices"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -69,14 +68,14 @@ func BenchmarkHandlerServe(b *testing.B) {
 				if err := perfServe(h, w, r, next, outcome); err != nil { // the deny cache learns here
 					b.Fatal(err)
 				}
-				calls := perfEvalshaCalls(b, client)
+				calls := redistest.Calls(b, client, "evalsha")
 				b.ReportAllocs()
 				for b.Loop() {
 					if err := perfServe(h, w, r, next, outcome); err != nil {
 						b.Fatal(err)
 					}
 				}
-				perfCheckCalls(b, outcome, perfEvalshaCalls(b, client)-calls)
+				perfCheckCalls(b, outcome, redistest.Calls(b, client, "evalsha")-calls)
 				perfCheckKeys(b, client, h.KeyPrefix, dims)
 			})
 		}
@@ -190,26 +189,6 @@ func perfServe(h *Handler, w *httptest.ResponseRecorder, r *http.Request, next c
 		return fmt.Errorf("decision %v, want %s", v, want)
 	}
 	return nil
-}
-
-// perfEvalshaCalls returns the EVALSHA calls the server has run.
-func perfEvalshaCalls(b *testing.B, c *redis.Client) int64 {
-	b.Helper()
-	info, err := c.Info(context.Background(), "commandstats").Result()
-	if err != nil {
-		b.Fatal(err)
-	}
-	for _, line := range strings.Split(info, "\n") {
-		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "cmdstat_evalsha:calls="); ok {
-			n, _, _ := strings.Cut(v, ",")
-			calls, err := strconv.ParseInt(n, 10, 64)
-			if err != nil {
-				b.Fatalf("cmdstat_evalsha %q: %v", line, err)
-			}
-			return calls
-		}
-	}
-	return 0
 }
 
 // perfCheckCalls checks that the deny cache answered without Redis and

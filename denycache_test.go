@@ -6,25 +6,9 @@ import (
 	"strconv"
 	"strings"
 	"testing"
-)
 
-// evalshaCalls reads how many script calls Redis has served since the last
-// CONFIG RESETSTAT.
-func evalshaCalls(t *testing.T, g *e2eGateway) int64 {
-	t.Helper()
-	for _, line := range strings.Split(g.rdb.Info(context.Background(), "commandstats").Val(), "\n") {
-		rest, ok := strings.CutPrefix(strings.TrimSpace(line), "cmdstat_evalsha:calls=")
-		if !ok {
-			continue
-		}
-		n, err := strconv.ParseInt(rest[:strings.IndexByte(rest, ',')], 10, 64)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return n
-	}
-	return 0
-}
+	"github.com/token-bucket/token_bucket/internal/redistest"
+)
 
 // TestDenyCacheSparesRedis: a client hammering a bucket that Redis denied
 // with an hour's wait costs Redis one script call, not one per request. The
@@ -53,8 +37,8 @@ func TestDenyCacheSparesRedis(t *testing.T) {
 	}
 	g.rdb.ConfigResetStat(context.Background())
 	first := g.get("X-User", "alice")
-	if first.status != http.StatusTooManyRequests || evalshaCalls(t, g) != 1 {
-		t.Fatalf("first denial: status %d after %d script calls, want 429 after 1", first.status, evalshaCalls(t, g))
+	if first.status != http.StatusTooManyRequests || redistest.Calls(t, g.rdb, "evalsha") != 1 {
+		t.Fatalf("first denial: status %d after %d script calls, want 429 after 1", first.status, redistest.Calls(t, g.rdb, "evalsha"))
 	}
 	for i := 0; i < 500; i++ {
 		r := g.get("X-User", "alice")
@@ -80,12 +64,12 @@ func TestDenyCacheSparesRedis(t *testing.T) {
 			t.Errorf("cached denial body %q", r.body)
 		}
 	}
-	if n := evalshaCalls(t, g); n != 1 {
+	if n := redistest.Calls(t, g.rdb, "evalsha"); n != 1 {
 		t.Fatalf("500 more denials cost Redis %d script calls, want none beyond the first", n)
 	}
 	// Another client is decided by Redis.
-	if r := g.get("X-User", "bob"); r.status != http.StatusOK || evalshaCalls(t, g) != 2 {
-		t.Fatalf("bob: status %d, %d script calls; want 200 and 2", r.status, evalshaCalls(t, g))
+	if r := g.get("X-User", "bob"); r.status != http.StatusOK || redistest.Calls(t, g.rdb, "evalsha") != 2 {
+		t.Fatalf("bob: status %d, %d script calls; want 200 and 2", r.status, redistest.Calls(t, g.rdb, "evalsha"))
 	}
 }
 
@@ -99,7 +83,7 @@ func TestDenyCacheOff(t *testing.T) {
 			t.Fatalf("denial %d: status %d", i, r.status)
 		}
 	}
-	if n := evalshaCalls(t, g); n != 20 {
+	if n := redistest.Calls(t, g.rdb, "evalsha"); n != 20 {
 		t.Fatalf("20 denials with deny_cache off: %d script calls, want 20", n)
 	}
 }

@@ -15,7 +15,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
 	"github.com/sony/gobreaker/v2"
 
 	"github.com/caddyserver/caddy/v2"
@@ -203,7 +202,7 @@ func TestRedisKilledAndRestarted(t *testing.T) {
 	foWaitRedisDecides(t, local, "poll", 10*time.Second)
 	// The new process had no script: go-redis sent EVAL, which it does only
 	// after EVALSHA failed with NOSCRIPT.
-	if n := foCalls(t, rdb, "eval"); n < 1 {
+	if n := redistest.Calls(t, rdb, "eval"); n < 1 {
 		t.Errorf("the restarted redis ran EVAL %d times, want at least once (the NOSCRIPT reload)", n)
 	}
 
@@ -216,12 +215,12 @@ func TestRedisKilledAndRestarted(t *testing.T) {
 		}
 	})
 	t.Run("script_flush", func(t *testing.T) {
-		evals := foCalls(t, rdb, "eval")
+		evals := redistest.Calls(t, rdb, "eval")
 		if err := rdb.ScriptFlush(ctx).Err(); err != nil {
 			t.Fatal(err)
 		}
 		foWantRedis(t, "first request after SCRIPT FLUSH", serveUser(local, "flushed"), http.StatusOK, 2)
-		if n := foCalls(t, rdb, "eval"); n == evals {
+		if n := redistest.Calls(t, rdb, "eval"); n == evals {
 			t.Errorf("no EVAL after SCRIPT FLUSH: the request did not meet NOSCRIPT")
 		}
 	})
@@ -239,23 +238,6 @@ func TestRedisKilledAndRestarted(t *testing.T) {
 	if len(counts) > 2 || counts[http.StatusOK] > 9 || counts[http.StatusTooManyRequests] == 0 {
 		t.Errorf("background traffic: %v requests by status; want only 200 (at most 9) and 429", counts)
 	}
-}
-
-// foCalls returns how many times the server ran command, from INFO
-// commandstats.
-func foCalls(t *testing.T, c *redis.Client, command string) int64 {
-	t.Helper()
-	info, err := c.Info(context.Background(), "commandstats").Result()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, line := range strings.Split(info, "\r\n") {
-		if rest, ok := strings.CutPrefix(line, "cmdstat_"+command+":calls="); ok {
-			n, _ := strconv.ParseInt(rest[:strings.IndexByte(rest+",", ',')], 10, 64)
-			return n
-		}
-	}
-	return 0
 }
 
 // foLatencies summarizes measured latencies for the log.

@@ -564,28 +564,6 @@ func TestModelScopedSettlement(t *testing.T) {
 	})
 }
 
-// commandCalls returns the calls of command (e.g. "evalsha") that the
-// server counted since its last CONFIG RESETSTAT.
-func commandCalls(t *testing.T, s *redistest.Server, command string) int64 {
-	t.Helper()
-	info, err := s.Client(t).Info(context.Background(), "commandstats").Result()
-	if err != nil {
-		t.Fatalf("INFO commandstats on %s: %v", s.Addr, err)
-	}
-	for _, line := range strings.Split(info, "\r\n") {
-		rest, ok := strings.CutPrefix(line, "cmdstat_"+command+":calls=")
-		if !ok {
-			continue
-		}
-		n, err := strconv.ParseInt(rest[:strings.IndexByte(rest+",", ',')], 10, 64)
-		if err != nil {
-			t.Fatalf("INFO commandstats line %q: %v", line, err)
-		}
-		return n
-	}
-	return 0
-}
-
 // TestModelScopedOnRedisCluster runs the README example on a real
 // three-master Redis Cluster: a scoped key carries its identity's hash
 // tag, so it is on the slot (and node) of the identity's unscoped key, and
@@ -666,7 +644,7 @@ func TestModelScopedOnRedisCluster(t *testing.T) {
 		if s == node {
 			want = 3
 		}
-		if got := commandCalls(t, s, "evalsha") + commandCalls(t, s, "eval"); got != want {
+		if got := redistest.Calls(t, s.Client(t), "evalsha") + redistest.Calls(t, s.Client(t), "eval"); got != want {
 			t.Errorf("node %s ran %d scripts for the 3 requests, want %d", s.Addr, got, want)
 		}
 	}

@@ -90,34 +90,6 @@ func btCharges(t *testing.T, c redis.Cmdable, key string) int64 {
 	return btCapacity - st.Units/st.Scale
 }
 
-// btScriptRuns returns how many scripts the server at c has run to the
-// end (EVAL and EVALSHA calls, less the failed ones: NOSCRIPT).
-func btScriptRuns(t testing.TB, c *redis.Client) int64 {
-	t.Helper()
-	info, err := c.Info(context.Background(), "commandstats").Result()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var n int64
-	for _, line := range strings.Split(info, "\r\n") {
-		name, stats, _ := strings.Cut(line, ":")
-		if name != "cmdstat_evalsha" && name != "cmdstat_eval" {
-			continue
-		}
-		for _, kv := range strings.Split(stats, ",") {
-			k, v, _ := strings.Cut(kv, "=")
-			i, _ := strconv.ParseInt(v, 10, 64)
-			switch k {
-			case "calls":
-				n += i
-			case "failed_calls":
-				n -= i
-			}
-		}
-	}
-	return n
-}
-
 // waitQueued waits until n callers are queued behind the batch under way.
 func (e *btEnv) waitQueued(t *testing.T, n int) {
 	t.Helper()
@@ -266,7 +238,7 @@ func TestBatchedAloneAtLowLoad(t *testing.T) {
 // decision; each bucket is charged once.
 func TestBatchedSharesOneWrite(t *testing.T) {
 	e := newBTEnv(t, 5*time.Second)
-	before := btScriptRuns(t, e.admin)
+	before := redistest.ScriptRuns(t, e.admin)
 	e.sent.reset()
 	held := e.hold(t, "held", 300*time.Millisecond, 5*time.Second)
 	names := btNames("share", 20)
@@ -286,7 +258,7 @@ func TestBatchedSharesOneWrite(t *testing.T) {
 		t.Errorf("sent %d calls alone and pipelines of %v calls; want the held call alone, then one pipeline of %d",
 			alone, pipelines, len(names))
 	}
-	if n := btScriptRuns(t, e.admin) - before; n != int64(len(names))+1 {
+	if n := redistest.ScriptRuns(t, e.admin) - before; n != int64(len(names))+1 {
 		t.Errorf("redis ran %d scripts, want %d", n, len(names)+1)
 	}
 }
@@ -340,7 +312,7 @@ func TestBatchedYieldGathersRunnable(t *testing.T) {
 // scripts Redis ran, one per caller at most; the calls after it succeed.
 func TestBatchedLostReply(t *testing.T) {
 	e := newBTEnv(t, 5*time.Second)
-	before := btScriptRuns(t, e.admin)
+	before := redistest.ScriptRuns(t, e.admin)
 	held := e.hold(t, "held", 300*time.Millisecond, 5*time.Second)
 	names := btNames("lost", 20)
 	out := make(chan []btResult, 1)
@@ -355,7 +327,7 @@ func TestBatchedLostReply(t *testing.T) {
 		t.Fatalf("the proxy lost %d replies, want 1", e.proxy.Lost())
 	}
 	e.waitIdle(t)
-	ran := btScriptRuns(t, e.admin) - before
+	ran := redistest.ScriptRuns(t, e.admin) - before
 	var charged int64
 	shared := 0
 	for _, r := range results {
@@ -395,7 +367,7 @@ func TestBatchedDelayedReply(t *testing.T) {
 	e := newBTEnv(t, 5*time.Second)
 
 	t.Run("past_the_timeout", func(t *testing.T) {
-		before := btScriptRuns(t, e.admin)
+		before := redistest.ScriptRuns(t, e.admin)
 		delayed := e.proxy.Delayed()
 		held := e.hold(t, "late", 600*time.Millisecond, 200*time.Millisecond)
 		if err := <-held; !errors.Is(err, context.DeadlineExceeded) && !isTimeout(err) {
@@ -408,7 +380,7 @@ func TestBatchedDelayedReply(t *testing.T) {
 			return nil
 		})
 		e.waitIdle(t)
-		if n := btScriptRuns(t, e.admin) - before; n != 1 {
+		if n := redistest.ScriptRuns(t, e.admin) - before; n != 1 {
 			t.Errorf("redis ran %d scripts for one call that timed out, want 1", n)
 		}
 		if n := e.charges(t, "late"); n != 1 {
@@ -420,7 +392,7 @@ func TestBatchedDelayedReply(t *testing.T) {
 	})
 
 	t.Run("queued_past_the_timeout", func(t *testing.T) {
-		before := btScriptRuns(t, e.admin)
+		before := redistest.ScriptRuns(t, e.admin)
 		held := e.hold(t, "slow", time.Second, 5*time.Second)
 		names := btNames("gave-up", 10)
 		out := make(chan []btResult, 1)
@@ -438,7 +410,7 @@ func TestBatchedDelayedReply(t *testing.T) {
 				t.Errorf("%s charged %d times, want 0: it gave up before it was sent", r.name, n)
 			}
 		}
-		if n := btScriptRuns(t, e.admin) - before; n != 1 {
+		if n := redistest.ScriptRuns(t, e.admin) - before; n != 1 {
 			t.Errorf("redis ran %d scripts, want 1 (the held call)", n)
 		}
 	})
@@ -454,7 +426,7 @@ func isTimeout(err error) bool {
 func TestBatchedDropsAbandoned(t *testing.T) {
 	e := newBTEnv(t, 5*time.Second)
 	ctx := context.Background()
-	before := btScriptRuns(t, e.admin)
+	before := redistest.ScriptRuns(t, e.admin)
 	args := appendArgs(nil, []Take{{Spec: e.spec, Cost: 1}})
 	kept := newBatchCmd(ctx, "evalsha", lua.TokenBucket.Hash(), []string{e.key("kept")}, args)
 	dropped := newBatchCmd(ctx, "evalsha", lua.TokenBucket.Hash(), []string{e.key("dropped")}, args)
@@ -475,7 +447,7 @@ func TestBatchedDropsAbandoned(t *testing.T) {
 		t.Errorf("charges: kept %d, dropped %d, alone %d; want 1, 0, 0",
 			e.charges(t, "kept"), e.charges(t, "dropped"), e.charges(t, "alone"))
 	}
-	if n := btScriptRuns(t, e.admin) - before; n != 1 {
+	if n := redistest.ScriptRuns(t, e.admin) - before; n != 1 {
 		t.Errorf("redis ran %d scripts, want 1", n)
 	}
 }
@@ -528,7 +500,7 @@ func TestBatchedNoScript(t *testing.T) {
 	if err := e.admin.ScriptFlush(context.Background()).Err(); err != nil {
 		t.Fatal(err)
 	}
-	before := btScriptRuns(t, e.admin)
+	before := redistest.ScriptRuns(t, e.admin)
 	held := e.hold(t, "held", 300*time.Millisecond, 5*time.Second)
 	names := btNames("noscript", 10)
 	for _, r := range e.takeAll(t, names, 5*time.Second, true) {
@@ -539,7 +511,7 @@ func TestBatchedNoScript(t *testing.T) {
 	if err := <-held; err != nil {
 		t.Fatal(err)
 	}
-	if n := btScriptRuns(t, e.admin) - before; n != int64(len(names))+1 {
+	if n := redistest.ScriptRuns(t, e.admin) - before; n != int64(len(names))+1 {
 		t.Errorf("redis ran %d scripts, want %d", n, len(names)+1)
 	}
 }
@@ -549,7 +521,7 @@ func TestBatchedContextDone(t *testing.T) {
 	e := newBTEnv(t, 5*time.Second)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	before := btScriptRuns(t, e.admin)
+	before := redistest.ScriptRuns(t, e.admin)
 	if _, err := e.store.Take(ctx, []string{e.key("done")}, []Take{{Spec: e.spec, Cost: 1}}); !errors.Is(err, context.Canceled) {
 		t.Errorf("Take with a cancelled context: %v", err)
 	}
@@ -559,7 +531,7 @@ func TestBatchedContextDone(t *testing.T) {
 	}); !errors.Is(err, context.Canceled) {
 		t.Errorf("pipeline with a cancelled context: %v", err)
 	}
-	if n := btScriptRuns(t, e.admin) - before; n != 0 || e.charges(t, "done") != 0 {
+	if n := redistest.ScriptRuns(t, e.admin) - before; n != 0 || e.charges(t, "done") != 0 {
 		t.Errorf("redis ran %d scripts, done charged %d; want none", n, e.charges(t, "done"))
 	}
 }
@@ -644,7 +616,7 @@ func TestBatchedOnCluster(t *testing.T) {
 // in it, without its own call; it returns its context's error at once.
 func TestBatchedLeaderGivesUp(t *testing.T) {
 	e := newBTEnv(t, 5*time.Second)
-	before := btScriptRuns(t, e.admin)
+	before := redistest.ScriptRuns(t, e.admin)
 	args := appendArgs(nil, []Take{{Spec: e.spec, Cost: 1}})
 	queued := func(ctx context.Context, name string) *waiter {
 		w := &waiter{ctx: ctx, wake: make(chan []*waiter, 1)}
@@ -685,7 +657,7 @@ func TestBatchedLeaderGivesUp(t *testing.T) {
 		t.Errorf("the leader's own call: %v, want ErrAbandoned (left out)", err)
 	}
 	e.waitIdle(t)
-	if n := btScriptRuns(t, e.admin) - before; n != 1 || e.charges(t, "quitter") != 0 || e.charges(t, "follower") != 1 {
+	if n := redistest.ScriptRuns(t, e.admin) - before; n != 1 || e.charges(t, "quitter") != 0 || e.charges(t, "follower") != 1 {
 		t.Errorf("redis ran %d scripts, quitter charged %d, follower %d; want 1, 0, 1",
 			n, e.charges(t, "quitter"), e.charges(t, "follower"))
 	}
