@@ -134,28 +134,7 @@ return reply
 // key's value ("" when absent) and the PX it was written with (-1: not
 // written).
 func stepPX(ctx context.Context, c *redis.Client, now int64, keys []string, takes []Take) (d Decision, vals []string, px []int64, err error) {
-	args := append(appendArgs(nil, takes), now/1_000_000, now%1_000_000)
-	raw, err := pxProbe.Run(ctx, c, keys, args...).Slice()
-	if err != nil {
-		return d, nil, nil, err
-	}
-	n := 3 * len(takes)
-	if len(raw) != n+2*len(keys) {
-		return d, nil, nil, fmt.Errorf("probe reply has %d values", len(raw))
-	}
-	reply := make([]int64, n)
-	for i := range reply {
-		reply[i], _ = raw[i].(int64)
-	}
-	if d, err = ParseReply(reply, takes); err != nil {
-		return d, nil, nil, err
-	}
-	for i := range keys {
-		v, _ := raw[n+2*i].(string)
-		ms, _ := raw[n+2*i+1].(int64)
-		vals, px = append(vals, v), append(px, ms)
-	}
-	return d, vals, px, nil
+	return runProbe(ctx, c, pxProbe, now, keys, takes)
 }
 
 // checkPX requires a charged key to have been written with a TTL of its

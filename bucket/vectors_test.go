@@ -230,9 +230,16 @@ const ttlSlackMS = 250
 // stepAt runs the probe script at now (microseconds) and returns the
 // decision with each key's value ("" when absent) and PTTL in ms.
 func stepAt(ctx context.Context, c *redis.Client, now int64, keys []string, takes []Take) (d Decision, vals []string, pttls []int64, err error) {
-	args := appendArgs(nil, takes)
-	args = append(args, now/1_000_000, now%1_000_000)
-	raw, err := probeScript.Run(ctx, c, keys, args...).Slice()
+	return runProbe(ctx, c, probeScript, now, keys, takes)
+}
+
+// runProbe runs probe, a copy of the decision script with its clock at
+// now (microseconds) that replies the decision followed by two values per
+// key: the key's value and a figure of its TTL. It returns the decision,
+// each key's value ("" when absent) and each figure.
+func runProbe(ctx context.Context, c *redis.Client, probe *redis.Script, now int64, keys []string, takes []Take) (d Decision, vals []string, figs []int64, err error) {
+	args := append(appendArgs(nil, takes), now/1_000_000, now%1_000_000)
+	raw, err := probe.Run(ctx, c, keys, args...).Slice()
 	if err != nil {
 		return d, nil, nil, err
 	}
@@ -249,10 +256,10 @@ func stepAt(ctx context.Context, c *redis.Client, now int64, keys []string, take
 	}
 	for i := range keys {
 		v, _ := raw[n+2*i].(string)
-		ttl, _ := raw[n+2*i+1].(int64)
-		vals, pttls = append(vals, v), append(pttls, ttl)
+		fig, _ := raw[n+2*i+1].(int64)
+		vals, figs = append(vals, v), append(figs, fig)
 	}
-	return d, vals, pttls, nil
+	return d, vals, figs, nil
 }
 
 // TestVectorsLua runs every shared vector against the Lua script in a real
