@@ -274,32 +274,7 @@ func TestAudit10000DeniedRequests(t *testing.T) {
 	}
 	respond "ok"`, "TIER", tier)
 	g := startGateway(t, `respond "not yet"`)
-	logFile := filepath.Join(t.TempDir(), "audit.log")
-	global := fmt.Sprintf(`{
-	skip_install_trust
-	admin localhost:%d
-	persist_config off
-	default_bind 127.0.0.1
-	auto_https off
-	grace_period 1ns
-	log {
-		level ERROR
-	}
-	log token_bucket_audit {
-		output file %s
-		format json
-		include %s
-	}
-}
-`, adminPort, logFile, AuditLogger)
-	// A new port, as gateway.load does, so that no request reaches the
-	// server of the config before, whose logging has no audit file.
-	g.port = redistest.FreePort(t)
-	g.url = fmt.Sprintf("http://127.0.0.1:%d/", g.port)
-	config := global + fmt.Sprintf(":%d {\n%s\n}\n", g.port, strings.ReplaceAll(site, "REDIS_ADDR", g.redis.Addr))
-	if err := postLoad(config, "caddyfile"); err != nil {
-		t.Fatalf("loading the audit config: %v", err)
-	}
+	logFile := loadAudited(t, g, site)
 
 	const other = "sk-live-0000000000000000000000000000other"
 	for _, key := range []string{rawKey, other} {
@@ -384,4 +359,38 @@ func TestAudit10000DeniedRequests(t *testing.T) {
 	scrape(t).want(t, "after the denials",
 		check{series("caddy_token_bucket_denials_total", "tier", tier, "dimension", "apikey"), n + 1},
 		check{decisions(tier, "allowed"), 2})
+}
+
+// loadAudited loads site (REDIS_ADDR replaced) into g with Caddy's
+// logging writing the audit logger as JSON to a file, whose path it
+// returns. The site gets a new port, as gateway.load does, so that no
+// request reaches the server of the config before, whose logging has no
+// audit file.
+func loadAudited(t *testing.T, g *e2eGateway, site string) string {
+	t.Helper()
+	logFile := filepath.Join(t.TempDir(), "audit.log")
+	global := fmt.Sprintf(`{
+	skip_install_trust
+	admin localhost:%d
+	persist_config off
+	default_bind 127.0.0.1
+	auto_https off
+	grace_period 1ns
+	log {
+		level ERROR
+	}
+	log token_bucket_audit {
+		output file %s
+		format json
+		include %s
+	}
+}
+`, adminPort, logFile, AuditLogger)
+	g.port = redistest.FreePort(t)
+	g.url = fmt.Sprintf("http://127.0.0.1:%d/", g.port)
+	config := global + fmt.Sprintf(":%d {\n%s\n}\n", g.port, strings.ReplaceAll(site, "REDIS_ADDR", g.redis.Addr))
+	if err := postLoad(config, "caddyfile"); err != nil {
+		t.Fatalf("loading the audited site: %v", err)
+	}
+	return logFile
 }

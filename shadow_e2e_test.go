@@ -6,12 +6,10 @@ import (
 	"fmt"
 	"net/http"
 	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/token-bucket/token_bucket/bucket"
-	"github.com/token-bucket/token_bucket/internal/redistest"
 )
 
 // Shadow limits (a limit's shadow, and the handler-wide shadow), end to
@@ -47,38 +45,6 @@ func shadowSite(tier, limits, extra string) string {
 		` + extra + `
 	}
 	respond "ok"`
-}
-
-// loadAudited loads site (REDIS_ADDR replaced) into g on a new port, with
-// Caddy's logging writing the audit logger as JSON to a file, whose path
-// it returns.
-func loadAudited(t *testing.T, g *e2eGateway, site string) string {
-	t.Helper()
-	logFile := filepath.Join(t.TempDir(), "audit.log")
-	global := fmt.Sprintf(`{
-	skip_install_trust
-	admin localhost:%d
-	persist_config off
-	default_bind 127.0.0.1
-	auto_https off
-	grace_period 1ns
-	log {
-		level ERROR
-	}
-	log token_bucket_audit {
-		output file %s
-		format json
-		include %s
-	}
-}
-`, adminPort, logFile, AuditLogger)
-	g.port = redistest.FreePort(t)
-	g.url = fmt.Sprintf("http://127.0.0.1:%d/", g.port)
-	config := global + fmt.Sprintf(":%d {\n%s\n}\n", g.port, strings.ReplaceAll(site, "REDIS_ADDR", g.redis.Addr))
-	if err := postLoad(config, "caddyfile"); err != nil {
-		t.Fatalf("loading the audited site: %v", err)
-	}
-	return logFile
 }
 
 // auditEntries reads the JSON entries of an audit log file.
