@@ -125,6 +125,18 @@ var SettleSource = prelude + use(settleEntry)
 // estimated and actual LLM tokens, once per request.
 var Settle = redis.NewScript(SettleSource)
 
+//go:embed batch.lua
+var batchEntry string
+
+// BatchSource is token_bucket.lua's prelude with batch.lua's entry, which
+// decides several requests with its decide block, one after another.
+var BatchSource = prelude + use(batchEntry)
+
+// Batch decides several requests in one call: what TokenBucket replies to
+// each, in order (see batch.lua). A gateway sends its concurrent requests'
+// TokenBucket calls this way (bucket.Batched).
+var Batch = redis.NewScript(BatchSource)
+
 //go:embed lease.lua
 var leaseEntry string
 

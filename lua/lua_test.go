@@ -31,6 +31,7 @@ func TestScriptsShareBlocks(t *testing.T) {
 		uses         []string
 	}{
 		{"demote", DemoteSource, []string{"decide"}},
+		{"batch", BatchSource, []string{"decide"}},
 		{"settle", SettleSource, []string{"load", "full"}},
 		{"refund", RefundSource, []string{"load", "full"}},
 	} {
