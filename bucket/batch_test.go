@@ -20,7 +20,10 @@ import (
 // These tests run Batched against a real redis-server behind a proxy that
 // injects the faults: a reply lost after Redis ran the batch, a reply held
 // past the caller's timeout. Every bucket has a capacity of 100 and gets
-// one token back per hour, so a bucket's charges are exact.
+// one token back per hour, so a bucket's charges are exact. Those about
+// what a batch sends run twice: with the calls merged into one lua.Batch
+// call (a client of one server, the default) and pipelined (NoMerge, as on
+// a Cluster).
 
 // btCapacity is the capacity of every bucket of these tests.
 const btCapacity = 100
@@ -36,9 +39,40 @@ type btEnv struct {
 	store  Redis
 	sent   *btSent
 	spec   Spec
+	merge  bool // a batch's calls go as one lua.Batch call
 }
 
-func newBTEnv(t *testing.T, timeout time.Duration) *btEnv {
+// btModes are the two ways a batch is sent.
+var btModes = []struct {
+	name string
+	opt  BatchOptions
+}{
+	{"merged", BatchOptions{}},
+	{"pipelined", BatchOptions{NoMerge: true}},
+}
+
+// forBTModes runs test in each of btModes, on an environment of its own.
+func forBTModes(t *testing.T, timeout time.Duration, test func(t *testing.T, e *btEnv)) {
+	for _, m := range btModes {
+		t.Run(m.name, func(t *testing.T) { test(t, newBTEnv(t, timeout, m.opt)) })
+	}
+}
+
+// runs is how many scripts Redis runs for batches of these numbers of
+// calls: one per batch when merged (a batch of one call is sent as it
+// is), else one per call.
+func (e *btEnv) runs(batches ...int) int64 {
+	n := 0
+	for _, b := range batches {
+		if e.merge {
+			b = min(b, 1)
+		}
+		n += b
+	}
+	return int64(n)
+}
+
+func newBTEnv(t *testing.T, timeout time.Duration, opt BatchOptions) *btEnv {
 	t.Helper()
 	srv := redistest.Start(t)
 	proxy := redistest.StartProxy(t)
@@ -46,12 +80,15 @@ func newBTEnv(t *testing.T, timeout time.Duration) *btEnv {
 	client := redis.NewClient(&redis.Options{Addr: proxy.Addr, MaxRetries: -1, DialerRetries: 1,
 		DialTimeout: timeout, ReadTimeout: timeout, WriteTimeout: timeout, ContextTimeoutEnabled: true})
 	t.Cleanup(func() { client.Close() })
-	e := &btEnv{srv: srv, proxy: proxy, admin: srv.Client(t), client: client, sent: &btSent{}, spec: shSpec(t, btCapacity)}
-	e.b = NewBatched(client, BatchOptions{})
+	e := &btEnv{srv: srv, proxy: proxy, admin: srv.Client(t), client: client, sent: &btSent{}, spec: shSpec(t, btCapacity),
+		merge: !opt.NoMerge}
+	e.b = NewBatched(client, opt)
 	client.AddHook(e.sent)
 	e.store = Redis{Client: e.b}
-	if err := lua.TokenBucket.Load(context.Background(), client).Err(); err != nil {
-		t.Fatal(err)
+	for _, s := range []*redis.Script{lua.TokenBucket, lua.Batch} {
+		if err := s.Load(context.Background(), client).Err(); err != nil {
+			t.Fatal(err)
+		}
 	}
 	return e
 }
@@ -169,20 +206,35 @@ func btNames(prefix string, n int) []string {
 }
 
 // btSent records what the client sends: the script calls sent alone and
-// the sizes of the pipelines of script calls.
+// the sizes of the pipelines of script calls, counting the calls a
+// lua.Batch call carries (then also counted in merged).
 type btSent struct {
 	mu        sync.Mutex
 	alone     int
 	pipelines []int
+	merged    int
+}
+
+// carried is the number of script calls that cmd makes: those a lua.Batch
+// call carries, else 1 for a script, 0 for another command.
+func carried(cmd redis.Cmder) int {
+	if !strings.HasPrefix(cmd.Name(), "eval") {
+		return 0
+	}
+	args := cmd.Args()
+	if args[1] != lua.Batch.Hash() && args[1] != lua.BatchSource {
+		return 1
+	}
+	return len(args[3+args[2].(int)].([]byte))
 }
 
 func (s *btSent) DialHook(next redis.DialHook) redis.DialHook { return next }
 
 func (s *btSent) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		if strings.HasPrefix(cmd.Name(), "eval") {
+		if n := carried(cmd); n > 0 {
 			s.mu.Lock()
-			s.alone++
+			s.alone += n
 			s.mu.Unlock()
 		}
 		return next(ctx, cmd)
@@ -191,15 +243,18 @@ func (s *btSent) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 
 func (s *btSent) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
-		n := 0
+		n, merged := 0, 0
 		for _, c := range cmds {
-			if strings.HasPrefix(c.Name(), "eval") {
-				n++
+			k := carried(c)
+			n += k
+			if k > 1 || (k == 1 && c.Args()[1] == lua.Batch.Hash()) {
+				merged++
 			}
 		}
 		if n > 0 {
 			s.mu.Lock()
 			s.pipelines = append(s.pipelines, n)
+			s.merged += merged
 			s.mu.Unlock()
 		}
 		return next(ctx, cmds)
@@ -210,14 +265,21 @@ func (s *btSent) reset() (alone int, pipelines []int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	alone, pipelines = s.alone, s.pipelines
-	s.alone, s.pipelines = 0, nil
+	s.alone, s.pipelines, s.merged = 0, nil, 0
 	return alone, pipelines
+}
+
+// mergedCalls returns the lua.Batch calls sent since the last reset.
+func (s *btSent) mergedCalls() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.merged
 }
 
 // TestBatchedAloneAtLowLoad: one caller at a time sends each call at once,
 // alone (Client.Process, no pipeline), and gets its own decision.
 func TestBatchedAloneAtLowLoad(t *testing.T) {
-	e := newBTEnv(t, 2*time.Second)
+	e := newBTEnv(t, 2*time.Second, BatchOptions{})
 	e.sent.reset()
 	for i := int64(1); i <= 5; i++ {
 		d, err := e.take("alone", time.Second)
@@ -234,10 +296,13 @@ func TestBatchedAloneAtLowLoad(t *testing.T) {
 }
 
 // TestBatchedSharesOneWrite: the calls that arrive while a call is under
-// way go together as the next batch, one pipeline, and each gets its own
-// decision; each bucket is charged once.
+// way go together as the next batch, one pipeline (merged: one lua.Batch
+// call), and each gets its own decision; each bucket is charged once.
 func TestBatchedSharesOneWrite(t *testing.T) {
-	e := newBTEnv(t, 5*time.Second)
+	forBTModes(t, 5*time.Second, testBatchedSharesOneWrite)
+}
+
+func testBatchedSharesOneWrite(t *testing.T, e *btEnv) {
 	before := redistest.ScriptRuns(t, e.admin)
 	e.sent.reset()
 	held := e.hold(t, "held", 300*time.Millisecond, 5*time.Second)
@@ -254,12 +319,15 @@ func TestBatchedSharesOneWrite(t *testing.T) {
 			t.Errorf("%s charged %d times, want 1", r.name, n)
 		}
 	}
+	if m, want := e.sent.mergedCalls(), int(e.runs(len(names))); e.merge && m != want {
+		t.Errorf("sent %d lua.Batch calls, want %d", m, want)
+	}
 	if alone, pipelines := e.sent.reset(); alone != 1 || len(pipelines) != 1 || pipelines[0] != len(names) {
 		t.Errorf("sent %d calls alone and pipelines of %v calls; want the held call alone, then one pipeline of %d",
 			alone, pipelines, len(names))
 	}
-	if n := redistest.ScriptRuns(t, e.admin) - before; n != int64(len(names))+1 {
-		t.Errorf("redis ran %d scripts, want %d", n, len(names)+1)
+	if n, want := redistest.ScriptRuns(t, e.admin)-before, e.runs(1, len(names)); n != want {
+		t.Errorf("redis ran %d scripts, want %d", n, want)
 	}
 }
 
@@ -271,7 +339,7 @@ func TestBatchedSharesOneWrite(t *testing.T) {
 // when the scheduler happens to resume the leader first (it polls its
 // global queue, where the yield puts the leader, every 61st schedule).
 func TestBatchedYieldGathersRunnable(t *testing.T) {
-	e := newBTEnv(t, 5*time.Second)
+	e := newBTEnv(t, 5*time.Second, BatchOptions{})
 	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
 	const rounds, callers = 20, 10
 	e.sent.reset()
@@ -311,7 +379,10 @@ func TestBatchedYieldGathersRunnable(t *testing.T) {
 // script runs twice, and each bucket holds exactly the charges of the
 // scripts Redis ran, one per caller at most; the calls after it succeed.
 func TestBatchedLostReply(t *testing.T) {
-	e := newBTEnv(t, 5*time.Second)
+	forBTModes(t, 5*time.Second, testBatchedLostReply)
+}
+
+func testBatchedLostReply(t *testing.T, e *btEnv) {
 	before := redistest.ScriptRuns(t, e.admin)
 	held := e.hold(t, "held", 300*time.Millisecond, 5*time.Second)
 	names := btNames("lost", 20)
@@ -348,7 +419,11 @@ func TestBatchedLostReply(t *testing.T) {
 		t.Errorf("%d of the batch's %d errors are SharedErrors, want all but the first", shared, len(names))
 	}
 	t.Logf("redis ran %d scripts: the held call and %d of the lost batch's %d", ran, ran-1, len(names))
-	if e.charges(t, "held") != 1 || charged+1 != ran || ran < 2 {
+	perRun := int64(1) // the calls a script run charged
+	if e.merge {
+		perRun = int64(len(names)) // the batch is one script: it ran whole, or not at all
+	}
+	if e.charges(t, "held") != 1 || charged != (ran-1)*perRun || ran < 2 {
 		t.Errorf("held charged %d, the batch's buckets %d; redis ran %d scripts: want the held call charged once, "+
 			"the batch ran (≥ 1 script) and every script run charged once", e.charges(t, "held"), charged, ran)
 	}
@@ -364,7 +439,7 @@ func TestBatchedLostReply(t *testing.T) {
 // again, even after the held reply comes; and callers whose timeout ends
 // while they are queued behind a held call are never sent at all.
 func TestBatchedDelayedReply(t *testing.T) {
-	e := newBTEnv(t, 5*time.Second)
+	e := newBTEnv(t, 5*time.Second, BatchOptions{})
 
 	t.Run("past_the_timeout", func(t *testing.T) {
 		before := redistest.ScriptRuns(t, e.admin)
@@ -422,33 +497,45 @@ func isTimeout(err error) bool {
 }
 
 // TestBatchedDropsAbandoned: a call marked abandoned before its batch is
-// written is left out of it (and of a call alone), never sent.
+// written is left out of it (and of a call alone, and of a merged call),
+// never sent.
 func TestBatchedDropsAbandoned(t *testing.T) {
-	e := newBTEnv(t, 5*time.Second)
+	forBTModes(t, 5*time.Second, testBatchedDropsAbandoned)
+}
+
+func testBatchedDropsAbandoned(t *testing.T, e *btEnv) {
 	ctx := context.Background()
 	before := redistest.ScriptRuns(t, e.admin)
 	args := appendArgs(nil, []Take{{Spec: e.spec, Cost: 1}})
 	kept := newBatchCmd(ctx, "evalsha", lua.TokenBucket.Hash(), []string{e.key("kept")}, args)
+	kept2 := newBatchCmd(ctx, "evalsha", lua.TokenBucket.Hash(), []string{e.key("kept2")}, args)
 	dropped := newBatchCmd(ctx, "evalsha", lua.TokenBucket.Hash(), []string{e.key("dropped")}, args)
 	alone := newBatchCmd(ctx, "evalsha", lua.TokenBucket.Hash(), []string{e.key("alone")}, args)
 	dropped.abandoned.Store(true)
 	alone.abandoned.Store(true)
 	pipe := e.client.Pipeline()
-	_ = pipe.Process(ctx, dropped)
 	_ = pipe.Process(ctx, kept)
+	_ = pipe.Process(ctx, dropped)
+	_ = pipe.Process(ctx, kept2)
 	_, _ = pipe.Exec(ctx)
 	if err := e.client.Process(ctx, alone); !errors.Is(err, ErrAbandoned) {
 		t.Errorf("abandoned call alone: %v; want ErrAbandoned", err)
 	}
-	if kept.Err() != nil || !errors.Is(dropped.Err(), ErrAbandoned) || !errors.Is(alone.Err(), ErrAbandoned) {
-		t.Errorf("kept %v, dropped %v, alone %v; want nil, ErrAbandoned, ErrAbandoned", kept.Err(), dropped.Err(), alone.Err())
+	if kept.Err() != nil || kept2.Err() != nil || !errors.Is(dropped.Err(), ErrAbandoned) || !errors.Is(alone.Err(), ErrAbandoned) {
+		t.Errorf("kept %v and %v, dropped %v, alone %v; want nil, nil, ErrAbandoned, ErrAbandoned",
+			kept.Err(), kept2.Err(), dropped.Err(), alone.Err())
 	}
-	if e.charges(t, "kept") != 1 || e.charges(t, "dropped") != 0 || e.charges(t, "alone") != 0 {
-		t.Errorf("charges: kept %d, dropped %d, alone %d; want 1, 0, 0",
-			e.charges(t, "kept"), e.charges(t, "dropped"), e.charges(t, "alone"))
+	for _, c := range []*batchCmd{kept, kept2} {
+		if vals, err := c.Int64Slice(); err != nil || len(vals) != 3 || vals[0] != btCapacity-1 {
+			t.Errorf("%v: %v, %v; want %d left", c.Args()[3], vals, err, btCapacity-1)
+		}
 	}
-	if n := redistest.ScriptRuns(t, e.admin) - before; n != 1 {
-		t.Errorf("redis ran %d scripts, want 1", n)
+	if e.charges(t, "kept") != 1 || e.charges(t, "kept2") != 1 || e.charges(t, "dropped") != 0 || e.charges(t, "alone") != 0 {
+		t.Errorf("charges: kept %d and %d, dropped %d, alone %d; want 1, 1, 0, 0",
+			e.charges(t, "kept"), e.charges(t, "kept2"), e.charges(t, "dropped"), e.charges(t, "alone"))
+	}
+	if n, want := redistest.ScriptRuns(t, e.admin)-before, e.runs(2); n != want {
+		t.Errorf("redis ran %d scripts, want %d", n, want)
 	}
 }
 
@@ -456,7 +543,10 @@ func TestBatchedDropsAbandoned(t *testing.T) {
 // batch and any other command in the client's pipeline; each command
 // holds its reply after Exec.
 func TestBatchedPipeline(t *testing.T) {
-	e := newBTEnv(t, 5*time.Second)
+	forBTModes(t, 5*time.Second, testBatchedPipeline)
+}
+
+func testBatchedPipeline(t *testing.T, e *btEnv) {
 	ctx := context.Background()
 	e.sent.reset()
 	p := e.b.Pipeline()
@@ -493,10 +583,13 @@ func TestBatchedPipeline(t *testing.T) {
 }
 
 // TestBatchedNoScript: after SCRIPT FLUSH (a restart, a failover) every
-// caller of a batch gets NOSCRIPT and recovers with EVAL, each charged
-// once.
+// caller of a batch gets NOSCRIPT and recovers with EVAL (merged: the
+// batch's lua.Batch call is sent again as EVAL), each charged once.
 func TestBatchedNoScript(t *testing.T) {
-	e := newBTEnv(t, 5*time.Second)
+	forBTModes(t, 5*time.Second, testBatchedNoScript)
+}
+
+func testBatchedNoScript(t *testing.T, e *btEnv) {
 	if err := e.admin.ScriptFlush(context.Background()).Err(); err != nil {
 		t.Fatal(err)
 	}
@@ -511,14 +604,29 @@ func TestBatchedNoScript(t *testing.T) {
 	if err := <-held; err != nil {
 		t.Fatal(err)
 	}
-	if n := redistest.ScriptRuns(t, e.admin) - before; n != int64(len(names))+1 {
-		t.Errorf("redis ran %d scripts, want %d", n, len(names)+1)
+	if n, want := redistest.ScriptRuns(t, e.admin)-before, e.runs(1, len(names)); n != want {
+		t.Errorf("redis ran %d scripts, want %d", n, want)
+	}
+	// Loaded again: the next batch goes as EVALSHA, and runs once.
+	before = redistest.ScriptRuns(t, e.admin)
+	held = e.hold(t, "held", 300*time.Millisecond, 5*time.Second)
+	evals := redistest.Calls(t, e.admin, "eval")
+	for _, r := range e.takeAll(t, names, 5*time.Second, true) {
+		if r.err != nil || !r.d.Allowed || e.charges(t, r.name) != 2 {
+			t.Errorf("%s again: %+v, %v, charged %d; want allowed, charged twice in all", r.name, r.d, r.err, e.charges(t, r.name))
+		}
+	}
+	if err := <-held; err != nil {
+		t.Fatal(err)
+	}
+	if n, want := redistest.ScriptRuns(t, e.admin)-before, e.runs(1, len(names)); n != want || redistest.Calls(t, e.admin, "eval") != evals {
+		t.Errorf("redis ran %d scripts, %d of them EVAL; want %d, none EVAL", n, redistest.Calls(t, e.admin, "eval")-evals, want)
 	}
 }
 
 // TestBatchedContextDone: a call whose context has ended is not sent.
 func TestBatchedContextDone(t *testing.T) {
-	e := newBTEnv(t, 5*time.Second)
+	e := newBTEnv(t, 5*time.Second, BatchOptions{})
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	before := redistest.ScriptRuns(t, e.admin)
@@ -615,7 +723,7 @@ func TestBatchedOnCluster(t *testing.T) {
 // as its context ends still sends it, in the background, for the others
 // in it, without its own call; it returns its context's error at once.
 func TestBatchedLeaderGivesUp(t *testing.T) {
-	e := newBTEnv(t, 5*time.Second)
+	e := newBTEnv(t, 5*time.Second, BatchOptions{})
 	before := redistest.ScriptRuns(t, e.admin)
 	args := appendArgs(nil, []Take{{Spec: e.spec, Cost: 1}})
 	queued := func(ctx context.Context, name string) *waiter {
@@ -666,8 +774,11 @@ func TestBatchedLeaderGivesUp(t *testing.T) {
 // TestBatchedMaxBatch: the callers queued behind a batch go in batches of
 // at most MaxBatch calls, in the order they came.
 func TestBatchedMaxBatch(t *testing.T) {
-	e := newBTEnv(t, 5*time.Second)
-	e.b = NewBatched(e.client, BatchOptions{MaxBatch: 5})
+	forBTModes(t, 5*time.Second, testBatchedMaxBatch)
+}
+
+func testBatchedMaxBatch(t *testing.T, e *btEnv) {
+	e.b = NewBatched(e.client, BatchOptions{MaxBatch: 5, NoMerge: !e.merge})
 	e.store = Redis{Client: e.b}
 	e.sent.reset()
 	held := e.hold(t, "held", 300*time.Millisecond, 5*time.Second)
@@ -688,7 +799,7 @@ func TestBatchedMaxBatch(t *testing.T) {
 // TestBatchedInFlight: with InFlight 2, a call that finds one batch under
 // way goes at once, beside it; the next waits.
 func TestBatchedInFlight(t *testing.T) {
-	e := newBTEnv(t, 5*time.Second)
+	e := newBTEnv(t, 5*time.Second, BatchOptions{})
 	e.b = NewBatched(e.client, BatchOptions{InFlight: 2})
 	e.store = Redis{Client: e.b}
 	held := e.hold(t, "held", 500*time.Millisecond, 5*time.Second)
