@@ -19,6 +19,7 @@ import (
 
 	"github.com/token-bucket/token_bucket/bucket"
 	"github.com/token-bucket/token_bucket/internal/redistest"
+	"github.com/token-bucket/token_bucket/lua"
 )
 
 // These tests inject faults between the handler and Redis while the
@@ -27,9 +28,13 @@ import (
 // timeout, on a single server, behind Sentinel and in a Cluster. Each
 // request is limited on its own user (capacity bfUserCap) and on one IP
 // shared by all (capacity bfIPCap), one token back per hour: afterwards
-// every bucket holds exactly the charges of the scripts Redis ran (INFO
-// commandstats), never more than one per request, and on_redis_error
-// (deny: 503) decided every request whose call failed.
+// every bucket holds exactly the charges of the decisions Redis ran, never
+// more than one per request, and on_redis_error (deny: 503) decided every
+// request whose call failed. A decision reads each of its buckets with one
+// GET, in a script of its own, merged with others into one lua.Batch call
+// (single server, Sentinel), or one script per slot (Cluster), so the GETs
+// that Redis ran (INFO commandstats) count the buckets decided however the
+// calls were sent; the test reads buckets with GETRANGE.
 
 const (
 	bfUserCap = 10
@@ -113,10 +118,16 @@ func (topo *bfTopology) handlerWithBreaker(t *testing.T, prefix string, timeout 
 		t.Fatalf("store %T does not batch", h.conn.store)
 	}
 	bh := &bfHandler{Handler: h, topo: topo, b: b, admin: topo.server.Client(t)}
-	// One request first loads the script (EVALSHA, NOSCRIPT, EVAL), so
-	// that the faults below meet the calls that decide.
+	// One request first loads the script (EVALSHA, NOSCRIPT, EVAL), and
+	// lua.Batch is loaded, so that the faults below meet the calls that
+	// decide.
 	if r := bh.serve("warm-up"); r.status != http.StatusOK || !r.fromRedis() {
 		t.Fatalf("first request: %d, degraded %v", r.status, r.degraded)
+	}
+	if !topo.cluster {
+		if err := lua.Batch.Load(context.Background(), bh.admin).Err(); err != nil {
+			t.Fatal(err)
+		}
 	}
 	return bh
 }
@@ -131,15 +142,15 @@ type bfHandler struct {
 func (h *bfHandler) serve(user string) served { return serve(h.Handler, "X-User", user, "X-IP", bfIP) }
 
 // charges returns the tokens taken from a bucket of capacity at key; 0
-// when it has no state.
+// when it has no state. It reads with GETRANGE, not GET: see above.
 func (h *bfHandler) charges(t *testing.T, key string, capacity int64) int64 {
 	t.Helper()
-	v, err := h.admin.Get(context.Background(), key).Result()
-	if errors.Is(err, redis.Nil) {
-		return 0
-	}
+	v, err := h.admin.GetRange(context.Background(), key, 0, -1).Result()
 	if err != nil {
-		t.Fatalf("GET %s: %v", key, err)
+		t.Fatalf("GETRANGE %s: %v", key, err)
+	}
+	if v == "" {
+		return 0
 	}
 	n, _ := decodeTokens(t, v)
 	return capacity - n
@@ -153,8 +164,9 @@ func (h *bfHandler) ipCharges(t *testing.T) int64 {
 	return h.charges(t, h.keyer.Key("ip", bfIP+"/32", ""), bfIPCap)
 }
 
-// settle waits until no call is queued or under way and the server's
-// script count stands still: every call sent has run.
+// settle waits until no call is queued or under way and the buckets that
+// the server's scripts read (GET calls) stand still: every call sent has
+// run. It returns that count.
 func (h *bfHandler) settle(t *testing.T) int64 {
 	t.Helper()
 	var last int64 = -1
@@ -162,10 +174,10 @@ func (h *bfHandler) settle(t *testing.T) int64 {
 		if q, r := h.b.Pending(); q != 0 || r != 0 {
 			return fmt.Errorf("%d queued, %d batches under way", q, r)
 		}
-		n := redistest.ScriptRuns(t, h.admin)
+		n := redistest.Calls(t, h.admin, "get")
 		if n != last {
 			last = n
-			return fmt.Errorf("%d scripts run", n)
+			return fmt.Errorf("%d buckets read", n)
 		}
 		return nil
 	})
@@ -188,20 +200,16 @@ func (h *bfHandler) hold(t *testing.T, user string, d time.Duration) <-chan serv
 	return out
 }
 
-// scriptsPerRequest is how many scripts one request runs: one, or one per
-// slot in a Cluster (the user and the IP buckets are on two).
-func (h *bfHandler) scriptsPerRequest() int64 {
-	if h.topo.cluster {
-		return 2
-	}
-	return 1
-}
+// bucketsPerRequest is how many buckets one request's decision reads: its
+// user's and the IP's.
+const bucketsPerRequest = 2
 
 // wantExact checks the charges after the requests of users: each user
 // bucket charged at most once, and once for each request Redis allowed;
-// the IP bucket charged once per script run on it; and the scripts Redis
-// ran all accounted for by those charges.
-func (h *bfHandler) wantExact(t *testing.T, users []string, results map[string]served, ipBefore, ran int64) {
+// the IP bucket charged once per decision that ran on it; and the buckets
+// Redis read (read, every one allowing) all accounted for by those
+// charges.
+func (h *bfHandler) wantExact(t *testing.T, users []string, results map[string]served, ipBefore, read int64) {
 	t.Helper()
 	var userSum int64
 	for _, u := range users {
@@ -216,13 +224,14 @@ func (h *bfHandler) wantExact(t *testing.T, users []string, results map[string]s
 	}
 	ip := h.ipCharges(t) - ipBefore
 	if h.topo.cluster {
-		if userSum+ip != ran || ip > int64(len(users)) {
-			t.Errorf("user buckets charged %d, ip bucket %d; redis ran %d scripts: want every script run charged once",
-				userSum, ip, ran)
+		// A request's two scripts, one per slot, run or fail alone.
+		if userSum+ip != read || ip > int64(len(users)) {
+			t.Errorf("user buckets charged %d, ip bucket %d; redis read %d buckets: want every bucket read charged once",
+				userSum, ip, read)
 		}
-	} else if userSum != ran || ip != ran {
-		t.Errorf("user buckets charged %d, ip bucket %d; redis ran %d scripts: want each the number of scripts run",
-			userSum, ip, ran)
+	} else if userSum+ip != read || userSum != ip {
+		t.Errorf("user buckets charged %d, ip bucket %d; redis read %d buckets: want each half the buckets read",
+			userSum, ip, read)
 	}
 }
 
@@ -287,13 +296,13 @@ func bfLoseBatch(t *testing.T, h *bfHandler) {
 			t.Errorf("%s: %d, degraded %v, in %v; want 503 from on_redis_error deny, at once", u, r.status, r.degraded, r.latency)
 		}
 	}
-	ran := h.settle(t) - before
-	t.Logf("redis ran %d scripts: %d for the held request, the rest of the lost batch", ran, h.scriptsPerRequest())
-	if ran <= h.scriptsPerRequest() || h.userCharges(t, "held") != 1 {
-		t.Errorf("redis ran %d scripts, held charged %d; want the held request charged once and the lost batch run",
-			ran, h.userCharges(t, "held"))
+	read := h.settle(t) - before
+	t.Logf("redis read %d buckets: %d for the held request, the rest for the lost batch", read, bucketsPerRequest)
+	if read <= bucketsPerRequest || h.userCharges(t, "held") != 1 {
+		t.Errorf("redis read %d buckets, held charged %d; want the held request charged once and the lost batch run",
+			read, h.userCharges(t, "held"))
 	}
-	h.wantExact(t, append(users, "held"), results, ipBefore, ran)
+	h.wantExact(t, append(users, "held"), results, ipBefore, read)
 }
 
 // bfDelayedReply: the proxy holds a request's reply past the timeout. The
@@ -339,7 +348,7 @@ func bfDelayedReply(t *testing.T, topo *bfTopology) {
 		}
 		return nil
 	})
-	ran := h.settle(t) - before
+	read := h.settle(t) - before
 	if n := h.userCharges(t, "late"); n != 1 {
 		t.Errorf("late charged %d times, want 1: its scripts ran, once", n)
 	}
@@ -350,8 +359,8 @@ func bfDelayedReply(t *testing.T, topo *bfTopology) {
 			t.Errorf("%s: %d, want allowed or decided by on_redis_error", u, r.status)
 		}
 	}
-	t.Logf("redis ran %d scripts; the %d requests queued behind the held one were charged %d", ran, len(users)-1, queuedCharged)
-	h.wantExact(t, users, results, ipBefore, ran)
+	t.Logf("redis read %d buckets; the %d requests queued behind the held one were charged %d", read, len(users)-1, queuedCharged)
+	h.wantExact(t, users, results, ipBefore, read)
 	if r := h.serve("late"); r.fromRedis() {
 		if got := foRemaining(r)["user"]; got != strconv.Itoa(bfUserCap-2) {
 			t.Errorf("the next request on late: user r=%s, want %d (charged once before)", got, bfUserCap-2)
@@ -411,7 +420,7 @@ func bfConcurrentFaults(t *testing.T, topo *bfTopology) {
 	close(stop)
 	<-chaosDone
 	topo.proxy.Disarm()
-	ran := h.settle(t) - before
+	read := h.settle(t) - before
 
 	byOutcome := map[string]int{}
 	for _, u := range users {
@@ -426,16 +435,16 @@ func bfConcurrentFaults(t *testing.T, topo *bfTopology) {
 			t.Errorf("%s: %d, degraded %v; want allowed by redis or 503 from on_redis_error", u, r.status, r.degraded)
 		}
 	}
-	t.Logf("%d requests: %v; %d replies lost, %d held past the timeout; redis ran %d scripts",
-		len(users), byOutcome, topo.proxy.Lost()-lost, topo.proxy.Delayed()-delayed, ran)
+	t.Logf("%d requests: %v; %d replies lost, %d held past the timeout; redis read %d buckets",
+		len(users), byOutcome, topo.proxy.Lost()-lost, topo.proxy.Delayed()-delayed, read)
 	if byOutcome["on_redis_error"] == 0 || byOutcome["allowed by redis"] == 0 ||
 		topo.proxy.Lost() == lost || topo.proxy.Delayed() == delayed {
 		t.Errorf("faults not exercised: %v, %d lost, %d held", byOutcome, topo.proxy.Lost()-lost, topo.proxy.Delayed()-delayed)
 	}
-	if ran > int64(len(users))*h.scriptsPerRequest() {
-		t.Errorf("redis ran %d scripts for %d requests: more than one per request", ran, len(users))
+	if read > int64(len(users))*bucketsPerRequest {
+		t.Errorf("redis read %d buckets for %d requests: more than one decision per request", read, len(users))
 	}
-	h.wantExact(t, users, results, ipBefore, ran)
+	h.wantExact(t, users, results, ipBefore, read)
 }
 
 // TestBatchBreakerCountsABatchOnce: a batch whose reply is lost is one

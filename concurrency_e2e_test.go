@@ -411,7 +411,7 @@ type cceMonitor struct {
 func cceStartMonitor(t *testing.T, addr string, rdb *redis.Client) *cceMonitor {
 	t.Helper()
 	ctx := context.Background()
-	for _, s := range []*redis.Script{lua.TokenBucket, lua.Lease, lua.Refund} {
+	for _, s := range []*redis.Script{lua.TokenBucket, lua.Batch, lua.Lease, lua.Refund} {
 		if err := s.Load(ctx, rdb).Err(); err != nil {
 			t.Fatalf("SCRIPT LOAD: %v", err)
 		}
@@ -478,6 +478,7 @@ func (m *cceMonitor) sync(t *testing.T) {
 // cceLeaseCalls is what the monitor saw of the scripts: per lease id, the
 // token_bucket.lua calls that carried it (one per request with a
 // concurrency limit), and the lease.lua calls that renewed or released it.
+// A batch.lua call counts as the token_bucket.lua calls it carries.
 type cceLeaseCalls struct {
 	takes, renewals, releases map[string]int
 	scripts                   int // token_bucket.lua calls in all
@@ -488,7 +489,7 @@ func (m *cceMonitor) leaseCalls() cceLeaseCalls {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	c := cceLeaseCalls{takes: map[string]int{}, renewals: map[string]int{}, releases: map[string]int{}}
-	tb, lease := lua.TokenBucket.Hash(), lua.Lease.Hash()
+	tb, batch, lease := lua.TokenBucket.Hash(), lua.Batch.Hash(), lua.Lease.Hash()
 	for _, line := range m.lines {
 		if strings.Contains(line, " lua] ") {
 			continue // run by a script
@@ -507,6 +508,18 @@ func (m *cceMonitor) leaseCalls() cceLeaseCalls {
 			c.scripts++
 			if len(rest) == n+1 {
 				c.takes[rest[n]]++
+			}
+		case batch:
+			// ARGV[1] holds a byte per call: its buckets, + 128 when its
+			// lease id follows its buckets' parameters.
+			at := 1
+			for _, h := range []byte(cceUnquote(rest[0])) {
+				c.scripts++
+				at += int(h % 128)
+				if h >= 128 {
+					c.takes[rest[at]]++
+					at++
+				}
 			}
 		case lease:
 			if len(rest) != 2 {
@@ -543,6 +556,17 @@ func cceMonitorArgs(line string) []string {
 		i = j
 	}
 	return args
+}
+
+// cceUnquote returns the bytes of a MONITOR argument. Redis escapes them
+// as sdscatrepr does (\\, \", \n, \r, \t, \a, \b and \xHH), all of
+// them Go escapes too.
+func cceUnquote(s string) string {
+	u, err := strconv.Unquote(`"` + s + `"`)
+	if err != nil {
+		return "" // not from Redis: no calls
+	}
+	return u
 }
 
 // wantReleasedOnce checks that each of the leases was released exactly
