@@ -247,7 +247,7 @@ func printPeers(paths []*path, sts []stats, clients int) {
 		switch p.role {
 		case roleOurs:
 			ours = i
-		case roleUnbatched, rolePeer:
+		case roleUnbatched, rolePipelined, rolePeer:
 			rows = append(rows, i)
 		case roleFloor:
 			floor = i
@@ -259,7 +259,8 @@ func printPeers(paths []*path, sts []stats, clients int) {
 	rows = append(append([]int{ours}, rows...), floor)
 	fmt.Printf("\n### Peers and the floor: 3-dimension decisions, every bucket allowing, %d callers (medians over the batches)\n\n", clients)
 	fmt.Println("A decision decides all three dimensions: this project's is one EVALSHA, batched with the concurrent")
-	fmt.Println("callers' as the gateway sends it by default (redis { pipeline on }), or each on its own (pipeline off);")
+	fmt.Println("callers' as the gateway sends it by default (redis { pipeline on }: one lua.Batch call for the batch;")
+	fmt.Println("on a Cluster, one EVALSHA per decision in one pipeline), or each on its own (pipeline off);")
 	fmt.Println("a peer's is one call per dimension, the floor's one PING (the least that any design making one")
 	fmt.Println("unbatched round trip per decision pays). Ratios: the row's figure over this project's and over the")
 	fmt.Println("floor's, of the medians; in brackets, the median of the ratios batch by batch (the paths took turns,")
@@ -276,6 +277,8 @@ func printPeers(paths []*path, sts []stats, clients int) {
 			name = "this project: " + name + " (pipeline on, the default)"
 		case roleUnbatched:
 			name = "this project: " + name + ", unbatched (pipeline off)"
+		case rolePipelined:
+			name = "this project: " + name + " (each call its own EVALSHA, as on a Cluster)"
 		}
 		fmt.Printf("| %s | %d | %.0f | %.2f [%.2f] | %.2f [%.2f] | %.2f | %.2f [%.2f] | %.2f [%.2f] | %.2f |\n", name, max(1, p.evals), st.rate,
 			st.rate/o.rate, pairedRatio(st.batches.rate, o.batches.rate), st.rate/f.rate, pairedRatio(st.batches.rate, f.batches.rate),
@@ -293,6 +296,8 @@ func printPeers(paths []*path, sts []stats, clients int) {
 		case p.role == roleUnbatched:
 			name = "the same decision, unbatched"
 			target, verdict = fmt.Sprintf("Redis CPU ≤ %.1f×", targetCPUOverUnbatched), yes(cpu <= targetCPUOverUnbatched)
+		case p.role == rolePipelined:
+			name = "the same decisions, batched but not merged (as on a Cluster)"
 		case p.role == roleFloor:
 			target, verdict = fmt.Sprintf("decisions/s ≥ %.1f×", targetOverFloor), yes(x >= targetOverFloor)
 		case strings.HasPrefix(p.name, "redis_rate"):
@@ -357,7 +362,8 @@ type path struct {
 	keys    [][]string
 	takes   []bucket.Take // per bucket, shared by every client
 	allowed bool
-	evals   int // calls of command per call of the path (0: 1)
+	evals   int  // calls of command per call of the path (0: 1)
+	merges  bool // concurrent calls may share one call of command (lua.Batch)
 	call    func(ctx context.Context, client int) error
 	role    role
 	latency bool  // in the caller-side latency table
@@ -371,6 +377,7 @@ const (
 	roleOther     role = iota
 	roleOurs           // this project's 3-dimension decision, allowed, batched (the default)
 	roleUnbatched      // the same, each call on its own (redis { pipeline off })
+	rolePipelined      // the same, batched, each call its own EVALSHA in the pipeline (as on a Cluster)
 	rolePeer           // another design's 3-dimension decision, allowed
 	roleFloor          // one PING per decision
 )
@@ -510,13 +517,20 @@ func newPaths(ctx context.Context, c *redis.Client, clients int) []*path {
 
 	// The gateway's default: the same decision through bucket.Batched
 	// (redis { pipeline on }), on a client of its own as the gateway's,
-	// with retries off. Calls that meet a batch under way share the next.
-	bc := redis.NewClient(&redis.Options{Addr: c.Options().Addr, PoolSize: clients + 4, MaxRetries: -1,
-		ReadTimeout: 5 * time.Second, WriteTimeout: 5 * time.Second})
-	batched := decision("allow, 3 buckets, batched", 3, false, 0)
-	batched.role = roleOurs
-	batched.call = takeCall(batched, bucket.Redis{Client: bucket.NewBatched(bc, bucket.BatchOptions{})})
-	paths = append(paths, batched)
+	// with retries off. Calls that meet a batch under way share the next,
+	// merged into one lua.Batch call. Then the same with each call of a
+	// batch its own EVALSHA in the pipeline, as on a Redis Cluster.
+	batchedOn := func(name string, r role, opt bucket.BatchOptions) *path {
+		bc := redis.NewClient(&redis.Options{Addr: c.Options().Addr, PoolSize: clients + 4, MaxRetries: -1,
+			ReadTimeout: 5 * time.Second, WriteTimeout: 5 * time.Second})
+		p := decision(name, 3, false, 0)
+		p.role, p.merges = r, !opt.NoMerge
+		p.call = takeCall(p, bucket.Redis{Client: bucket.NewBatched(bc, opt)})
+		return p
+	}
+	paths = append(paths,
+		batchedOn("allow, 3 buckets, batched", roleOurs, bucket.BatchOptions{}),
+		batchedOn("allow, 3 buckets, batched, pipelined", rolePipelined, bucket.BatchOptions{NoMerge: true}))
 
 	// The same decisions as FCALLs of lua.Source loaded as a function,
 	// on the same keys. Redis before 7.0 has no functions: the paths are
@@ -632,7 +646,7 @@ func measure(ctx context.Context, c *redis.Client, paths []*path, calls, clients
 			cpu0 := readInfo(ctx, c).cpu
 			elapsed := run(ctx, p, calls/batches, clients)
 			in := readInfo(ctx, c)
-			n := callsOf(in, p)
+			n := callsOf(in, p, calls/batches)
 			s := &all[i]
 			s.per = append(s.per, in.usec[p.command]/n)
 			s.nested = append(s.nested, nestedUsec(in, p)/n)
@@ -649,7 +663,7 @@ func measure(ctx context.Context, c *redis.Client, paths []*path, calls, clients
 				}
 			}
 			in := readInfo(ctx, c)
-			all[i].serial = append(all[i].serial, in.usec[p.command]/callsOf(in, p))
+			all[i].serial = append(all[i].serial, in.usec[p.command]/callsOf(in, p, serialCalls/batches))
 		}
 	}
 	out := make([]stats, len(paths))
@@ -700,12 +714,17 @@ func resetStats(ctx context.Context, c *redis.Client) {
 	}
 }
 
-// callsOf returns the path's calls (requests) that INFO counts: its
-// command's calls over the commands each makes.
-func callsOf(in info, p *path) float64 {
+// callsOf returns the path's calls (decisions) of a batch that INFO
+// counts: its command's calls over the commands each makes. A path whose
+// concurrent calls Redis may merge (p.merges: a batch of decisions in one
+// lua.Batch call) made made calls, which INFO counts as fewer.
+func callsOf(in info, p *path, made int) float64 {
 	n := in.calls[p.command]
 	if n == 0 {
 		fail("INFO commandstats has no calls of %s", p.command)
+	}
+	if p.merges {
+		return float64(made)
 	}
 	return n / float64(max(1, p.evals))
 }
