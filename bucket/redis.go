@@ -97,6 +97,11 @@ func appendArgs(args []any, takes []Take) []any {
 	return args
 }
 
+// ScriptArgs returns lua.TokenBucket's ARGV for takes, as Redis.Take sends
+// them (see appendArgs), for a caller that sends the call itself: in a
+// pipeline, say.
+func ScriptArgs(takes []Take) []any { return appendArgs(make([]any, 0, len(takes)+1), takes) }
+
 // Flags of a bucket's ARGV (lua/token_bucket.lua): shadow + 2 × kind.
 const (
 	flagShadow     = 1 // the bucket's denial does not deny the request

@@ -298,7 +298,8 @@ instr_phase() {
 	say "## Redis side in instructions (valgrind --tool=callgrind; load average before: $(load_average))"
 	say ""
 	say "Instructions redis-server executes per call, I/O included: (Ir with $INSTR_CALLS calls − Ir with"
-	say "200 calls) / $((INSTR_CALLS - 200)), one caller. The count is the same whatever else the machine is doing."
+	say "200 calls) / $((INSTR_CALLS - 200)), one caller (a batch of 50 decisions: 120 and 20 calls). The count is the"
+	say "same whatever else the machine is doing."
 	say "A call of a peer or of the PING floor is one 3-dimension decision (a peer's three calls, one PING)."
 	say ""
 	go build -o "$tmp/scriptstats" ./scripts/scriptstats
@@ -309,17 +310,25 @@ instr_phase() {
 	for p in "INCR" "empty script" "TIME+GET script" "TIME+GET+SET script" \
 		"allow, 1 bucket" "allow, 3 buckets" "deny, 1 bucket" "deny, 3 buckets" \
 		"FCALL allow, 1 bucket" "FCALL allow, 3 buckets" "FCALL deny, 1 bucket" "FCALL deny, 3 buckets" \
-		"redis_rate" "hash script" "PING"; do
+		"redis_rate" "hash script" "PING" "batch of 50 decisions, one lua.Batch call" "batch of 50 decisions, pipelined"; do
 		# Redis Functions need Redis 7 (scriptstats leaves the paths out).
 		[[ "$p" == FCALL* ]] && [ "$(redis-server --version | grep -o 'v=[0-9]*' | cut -d= -f2)" -lt 7 ] && continue
-		low="$(instructions "$p" 200)"
-		high="$(instructions "$p" "$INSTR_CALLS")"
+		# A batch's call is 50 decisions: 20 and 120 of them, and its
+		# figure per decision too.
+		local n0=200 n1="$INSTR_CALLS"
+		[[ "$p" == "batch of 50 decisions"* ]] && n0=20 n1=120
+		low="$(instructions "$p" "$n0")"
+		high="$(instructions "$p" "$n1")"
 		if [ -z "$low" ] || [ -z "$high" ]; then
 			failed+=("callgrind: $p")
 			continue
 		fi
-		ir[$p]=$(((high - low) / (INSTR_CALLS - 200)))
+		ir[$p]=$(((high - low) / (n1 - n0)))
 		say "| $p | ${ir[$p]} |"
+		if [[ "$p" == "batch of 50 decisions"* ]]; then
+			ir[$p, per decision]=$((ir[$p] / 50))
+			say "| $p, per decision | ${ir[$p, per decision]} |"
+		fi
 	done
 	say ""
 	say "| ratio of instructions | |"
@@ -331,6 +340,10 @@ instr_phase() {
 	for p in "redis_rate" "hash script" "PING"; do
 		instr_ratio "allow, 3 buckets ÷ $p, per decision" "allow, 3 buckets" "$p"
 	done
+	instr_ratio "a decision in one lua.Batch call ÷ pipelined, batches of 50" \
+		"batch of 50 decisions, one lua.Batch call, per decision" "batch of 50 decisions, pipelined, per decision"
+	instr_ratio "a decision in one lua.Batch call ÷ allow, 3 buckets alone" \
+		"batch of 50 decisions, one lua.Batch call, per decision" "allow, 3 buckets"
 	say ""
 }
 

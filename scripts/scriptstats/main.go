@@ -340,6 +340,17 @@ func printFunctions(paths []*path, sts []stats) {
 // callOnly makes n calls, one at a time, of the path whose name starts
 // with prefix.
 func callOnly(ctx context.Context, c *redis.Client, prefix string, n int) {
+	for name, merge := range map[string]bool{batchMerged: true, batchPipelined: false} {
+		if strings.HasPrefix(name, prefix) {
+			call := batchCall(ctx, c, merge)
+			for range n {
+				if err := call(); err != nil {
+					fail("%s: %v", name, err)
+				}
+			}
+			return
+		}
+	}
 	for _, p := range newPaths(ctx, c, 1) {
 		if !strings.HasPrefix(p.name, prefix) {
 			continue
@@ -352,6 +363,40 @@ func callOnly(ctx context.Context, c *redis.Client, prefix string, n int) {
 		return
 	}
 	fail("no path starts with %q", prefix)
+}
+
+// callOnly's batches: batchOf "allow, 3 buckets" decisions, each on keys
+// of its own, sent as bucket.Batched sends the calls of concurrent
+// requests, in one lua.Batch call or, as on a Cluster, in a pipeline of
+// lua.TokenBucket calls. Deterministic, unlike the batches that concurrent
+// callers form, so that an instruction count is per decision of a batch
+// of batchOf.
+const (
+	batchOf        = 50
+	batchMerged    = "batch of 50 decisions, one lua.Batch call"
+	batchPipelined = "batch of 50 decisions, pipelined"
+)
+
+// batchCall returns a call that sends one batch of batchOf decisions.
+func batchCall(ctx context.Context, c *redis.Client, merge bool) func() error {
+	var allow *path
+	for _, p := range newPaths(ctx, c, batchOf) {
+		if p.name == "allow, 3 buckets" {
+			allow = p
+		}
+	}
+	bc := redis.NewClient(&redis.Options{Addr: c.Options().Addr, MaxRetries: -1,
+		ReadTimeout: 5 * time.Second, WriteTimeout: 5 * time.Second})
+	b := bucket.NewBatched(bc, bucket.BatchOptions{NoMerge: !merge})
+	args := bucket.ScriptArgs(allow.takes)
+	return func() error {
+		pipe := b.Pipeline()
+		for cl := range batchOf {
+			lua.TokenBucket.EvalSha(ctx, pipe, allow.keys[cl], args...)
+		}
+		_, err := pipe.Exec(ctx)
+		return err
+	}
 }
 
 // path is one kind of call: a decision (keys, takes) or a plain command.
