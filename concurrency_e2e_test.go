@@ -510,10 +510,14 @@ func (m *cceMonitor) leaseCalls() cceLeaseCalls {
 				c.takes[rest[n]]++
 			}
 		case batch:
-			// ARGV[1] holds a byte per call: its buckets, + 128 when its
-			// lease id follows its buckets' parameters.
-			at := 1
-			for _, h := range []byte(cceUnquote(rest[0])) {
+			// ARGV[1] holds a flags byte, then a byte per call: its
+			// buckets, + 128 when its lease id follows its buckets'
+			// parameters.
+			at, hs := 1, []byte(cceUnquote(rest[0]))
+			if len(hs) > 0 {
+				hs = hs[1:]
+			}
+			for _, h := range hs {
 				c.scripts++
 				at += int(h % 128)
 				if h >= 128 {

@@ -225,7 +225,7 @@ func carried(cmd redis.Cmder) int {
 	if args[1] != lua.Batch.Hash() && args[1] != lua.BatchSource {
 		return 1
 	}
-	return len(args[3+args[2].(int)].([]byte))
+	return len(args[3+args[2].(int)].([]byte)) - 1 // a flags byte, a byte per call
 }
 
 func (s *btSent) DialHook(next redis.DialHook) redis.DialHook { return next }

@@ -67,18 +67,23 @@ func mergeDecisions(ctx context.Context, cmds []redis.Cmder) *merged {
 		return nil
 	}
 	// EVALSHA batchSHA numkeys KEYS... heads ARGV...: the keys of every
-	// call in order, then a byte per call, then their parameters in order.
+	// call in order; a flags byte (1: a key repeats, so the script keeps
+	// the state of the keys it read) and a byte per call; the calls'
+	// parameters in order.
 	args := make([]any, 3, 4+keys+params)
 	args[0], args[1], args[2] = "evalsha", batchSHA, keys
-	heads := make([]byte, len(m.calls))
+	heads := make([]byte, 1+len(m.calls))
 	for i, c := range m.calls {
 		a := c.Args()
 		n := a[2].(int)
 		args = append(args, a[3:3+n]...)
-		heads[i] = byte(n)
+		heads[1+i] = byte(n)
 		if len(a)-3-n > n {
-			heads[i] |= 128 // a lease id follows its parameters
+			heads[1+i] |= 128 // a lease id follows its parameters
 		}
+	}
+	if repeats(args[3:]) {
+		heads[0] = 1
 	}
 	args = append(args, heads)
 	for _, c := range m.calls {
@@ -96,6 +101,19 @@ func mergeDecisions(ctx context.Context, cmds []redis.Cmder) *merged {
 		}
 	}
 	return &m
+}
+
+// repeats reports whether a key of keys (strings) occurs more than once:
+// the requests of one client, whose buckets they share.
+func repeats(keys []any) bool {
+	seen := make(map[any]struct{}, len(keys))
+	for _, k := range keys {
+		if _, ok := seen[k]; ok {
+			return true
+		}
+		seen[k] = struct{}{}
+	}
+	return false
 }
 
 // send sends the batch with next and gives each merged call its reply.

@@ -21,6 +21,7 @@ var batchClock = redis.NewScript(drive(lua.BatchSource))
 
 // TestBatchMatchesTokenBucket drives lua.Batch and lua.TokenBucket through
 // the same random rounds: each round, several requests at one clock reading
+// (most of them sharing a key, which lua.Batch then reads and writes once)
 // (token buckets with random costs, shadow limits and reservations, calendar
 // quotas, concurrency slots with leases, limits that change under existing
 // state, a clock that steps back), decided one by one with lua.TokenBucket
@@ -41,29 +42,35 @@ func TestBatchMatchesTokenBucket(t *testing.T) {
 	names := []string{"tb0", "tb1", "tb2", "tb3", "q0", "q1", "c0", "c1"}
 	specs := map[string]Spec{"q0": QuotaSpec(3), "q1": QuotaSpec(10), "c0": ConcurrencySpec(1), "c1": ConcurrencySpec(3)}
 	for _, n := range names[:4] {
-		specs[n] = randomSpec(t, r)
+		specs[n] = slowSpec(t, r)
 	}
 	key := func(set, name string) string { return "m" + set + ":{x}:" + name }
 
 	const rounds = 400
-	const window = 10_000_000 // µs: the quotas' windows are 10 s long
+	const window = 10_000_000 // µs: the quotas' windows are 10 s long, now in the middle of one
 	now := baseTime
-	var count struct{ allowed, denied, reserved, shadowDenied, quotaDenied, slotDenied, merged int }
+	var count struct {
+		allowed, denied, reserved, shadowDenied, quotaDenied, slotDenied int
+		merged, repeated                                                 int // lua.Batch calls, those with a key repeated
+	}
 	for round := range rounds {
 		switch x := r.IntN(100); {
 		case x < 40: // the same microsecond
 		case x < 90:
 			now += r.Int64N(2_000_000)
-		case x < 97:
+		case x < 95:
 			now += r.Int64N(60_000_000)
+		case x < 97:
+			now += r.Int64N(3_600_000_000)
 		default: // the clock stepped back
 			now -= r.Int64N(5_000_000)
 		}
 		if r.IntN(50) == 0 { // an operator changed a limit
-			specs[names[r.IntN(4)]] = randomSpec(t, r)
+			specs[names[r.IntN(4)]] = slowSpec(t, r)
 		}
-		w1 := now - now%window
-		w := Windows{w1 - window, w1, w1 + window, w1 + 2*window}
+		// Windows around now, so that a quota's TTL (to its window's end)
+		// is 5 s; a window is new when now moved.
+		w := Windows{now - 3*window/2, now - window/2, now + window/2, now + 3*window/2}
 
 		n := 1 + r.IntN(8)
 		type request struct {
@@ -82,13 +89,13 @@ func TestBatchMatchesTokenBucket(t *testing.T) {
 						take.Cost = r.Int64N(take.Spec.Capacity + 2)
 					}
 					if !take.Shadow && r.IntN(3) == 0 {
-						take.MaxWaitMS = 1 + r.Int64N(120_000)
+						take.MaxWaitMS = 1 + r.Int64N(600_000)
 					}
 				case 'q':
 					take.Window = &w
 				case 'c':
 					take.Cost = r.Int64N(2)
-					take.Lease = []int64{50, 1000, 60_000}[r.IntN(3)]
+					take.Lease = []int64{1000, 60_000}[r.IntN(2)]
 					take.LeaseID = lease
 				}
 				reqs[i].names = append(reqs[i].names, name)
@@ -96,8 +103,10 @@ func TestBatchMatchesTokenBucket(t *testing.T) {
 			}
 		}
 
-		// One by one, on set a.
+		// One by one, on set a. ttls holds the TTL (ms) that the round's
+		// last write of each bucket or quota set.
 		want := make([]any, n)
+		ttls := map[string]int64{}
 		for i, q := range reqs {
 			keys := make([]string, len(q.names))
 			for j, name := range q.names {
@@ -112,7 +121,10 @@ func TestBatchMatchesTokenBucket(t *testing.T) {
 			// Redis's clock stands still inside the one lua.Batch call, so
 			// nothing expires between its requests; between these calls
 			// a short TTL could lapse in real time.
-			for _, k := range keys {
+			for j, k := range keys {
+				if ms := pttl(t, rdb, k); ms >= 0 && q.takes[j].Lease == 0 {
+					ttls[q.names[j]] = ms
+				}
 				if err := rdb.Persist(ctx, k).Err(); err != nil {
 					t.Fatal(err)
 				}
@@ -171,6 +183,9 @@ func TestBatchMatchesTokenBucket(t *testing.T) {
 			}
 			args := append(m.call.Args(), now/1_000_000, now%1_000_000)
 			args[1] = batchClock.Hash()
+			if heads := args[3+args[2].(int)].([]byte); heads[0] == 1 {
+				count.repeated++
+			}
 			m.call = &batchCmd{Cmd: redis.NewCmd(ctx, args...)}
 			_ = rdb.Process(ctx, m.call)
 			m.answer()
@@ -181,6 +196,15 @@ func TestBatchMatchesTokenBucket(t *testing.T) {
 			if err != nil || !reflect.DeepEqual(got, want[i]) {
 				t.Fatalf("round %d, request %d of %d (%v): lua.Batch replied %v, %v; lua.TokenBucket %v",
 					round, i, n, reqs[i].names, got, err, want[i])
+			}
+		}
+
+		// The same TTLs: lua.Batch writes a key once, with the TTL of its
+		// last write one by one (real time ran on between the calls).
+		for _, name := range names[:6] {
+			got := pttl(t, rdb, key("b", name))
+			if ms, set := ttls[name]; (set && (got < 0 || got > ms+ttlSlackMS || got < ms-ttlSlackMS)) || (!set && got >= 0) {
+				t.Fatalf("round %d: %s expires in %d ms batched; one by one %d ms (set %v)", round, name, got, ms, set)
 			}
 		}
 
@@ -200,9 +224,39 @@ func TestBatchMatchesTokenBucket(t *testing.T) {
 	}
 	t.Logf("%+v", count)
 	if count.allowed < 100 || count.denied < 100 || count.reserved < 10 || count.shadowDenied < 10 ||
-		count.quotaDenied < 10 || count.slotDenied < 10 || count.merged < rounds*3/4 {
+		count.quotaDenied < 10 || count.slotDenied < 10 || count.merged < rounds*3/4 ||
+		count.repeated < count.merged/2 || count.merged-count.repeated < 10 {
 		t.Errorf("too few of an outcome to compare: %+v", count)
 	}
+}
+
+// pttl is key's PTTL in milliseconds: -1 without a TTL, -2 when missing.
+func pttl(t *testing.T, rdb *redis.Client, key string) int64 {
+	t.Helper()
+	ms, err := rdb.Do(context.Background(), "PTTL", key).Int64()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ms
+}
+
+// slowSpec is a random token bucket that refills at most 10 tokens a
+// minute: a charged bucket's TTL, the time until it is full again, is at
+// least 6 s, so no key expires in real time during a round (the rounds
+// take milliseconds; keys are persisted between them), while the test's
+// clock jumps seconds to hours.
+func slowSpec(t *testing.T, r *rand.Rand) Spec {
+	amounts := []string{"1", "3", "10", "0.5", "0.17"}
+	periods := []string{"m", "90s", "h", "d"}
+	rate, err := ParseRate(amounts[r.IntN(len(amounts))] + "/" + periods[r.IntN(len(periods))])
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec, err := Limit{Capacity: []int64{1, 2, 5, 10, 60, 1500}[r.IntN(6)], Rate: rate}.Spec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return spec
 }
 
 // int64s is a script reply as integers.
@@ -359,10 +413,10 @@ func TestMergeable(t *testing.T) {
 	if len(m.cmds) != 3 || m.cmds[0] != ping || m.cmds[1] != m.call || m.cmds[2] != big {
 		t.Errorf("sent %v, want ping, the merged call in a's place, then the call of 128 buckets", m.cmds)
 	}
-	// EVALSHA sha 3 a's keys, b's key, heads, a's parameters, b's
-	// parameters and lease id.
+	// EVALSHA sha 3 a's keys, b's key, flags (k0 twice: 1) and heads, a's
+	// parameters, b's parameters and lease id.
 	args := m.call.Args()
-	want := []any{"evalsha", lua.Batch.Hash(), 3, "k0", "k1", "k0", []byte{2, 1 | 128}}
+	want := []any{"evalsha", lua.Batch.Hash(), 3, "k0", "k1", "k0", []byte{1, 2, 1 | 128}}
 	if !reflect.DeepEqual(args[:7], want) || len(args) != 7+2+2 || args[len(args)-1] != "id" {
 		t.Errorf("merged call %v, want %v, then 3 parameters and the lease id", args, want)
 	}
