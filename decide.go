@@ -30,6 +30,7 @@ type verdict struct {
 	decided bool            // Redis, the deny cache or the local store decided d
 	local   bool            // on_redis_error decided
 	demoted bool            // decided on the penalty tier, or demoted by this denial
+	gone    bool            // the client went away before Redis answered: nothing decided
 	err     error           // invalid input (errInvalidBody, errBodyTimeout, errInvalidCost), or the local store's failure
 }
 
@@ -215,10 +216,19 @@ func (h *Handler) decideDemote(x *exchange, store bucket.Redis, id string) verdi
 // decideDegraded decides a request that Redis could not, by
 // on_redis_error: allow, deny (503), or the local store's decision with
 // the local_share limits.
+//
+// A call canceled because the client went away is not Redis failing: no
+// policy applies, as no answer will be read. The request is not decided
+// (not counted in decisions_total, not passed on to next, not charged to
+// the local store); it counts in redis_errors_total{kind="canceled"}.
 func (h *Handler) decideDegraded(x *exchange, cause error) verdict {
+	kind := countRedisError(cause)
+	if kind == errCanceled && x.r.Context().Err() != nil {
+		return verdict{tier: x.tier, gone: true}
+	}
 	// While the breaker is open every call fails at once; the breaker
 	// logged its opening, so only calls that reached Redis are logged.
-	if kind := countRedisError(cause); kind != errBreakerOpen {
+	if kind != errBreakerOpen {
 		if c := h.logger.Check(zap.WarnLevel, "redis call failed; on_redis_error applies"); c != nil {
 			c.Write(zap.String("on_redis_error", h.OnRedisError), zap.String("kind", kind), zap.Error(cause))
 		}

@@ -366,7 +366,12 @@ func serveUser(h caddyhttp.MiddlewareHandler, user string) served { return serve
 // in the context (a zero Server trusts no proxy: {http.vars.client_ip} is
 // the peer), and the next handler answering 200 with no body.
 func serveFrom(h caddyhttp.MiddlewareHandler, remoteAddr string, headers ...string) served {
-	req := httptest.NewRequest(http.MethodGet, "http://gateway.test/", nil)
+	return serveCtx(context.Background(), h, remoteAddr, headers...)
+}
+
+// serveCtx is serveFrom with the request's context.
+func serveCtx(ctx context.Context, h caddyhttp.MiddlewareHandler, remoteAddr string, headers ...string) served {
+	req := httptest.NewRequestWithContext(ctx, http.MethodGet, "http://gateway.test/", nil)
 	req.RemoteAddr = remoteAddr
 	for i := 0; i+1 < len(headers); i += 2 {
 		req.Header.Set(headers[i], headers[i+1])

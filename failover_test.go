@@ -2,6 +2,7 @@ package tokenbucket
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"os"
@@ -315,6 +316,37 @@ func TestRedisHangs(t *testing.T) {
 
 	srv.Resume(t)
 	foWaitRedisDecides(t, h, "resumed", 10*time.Second)
+}
+
+// TestClientGoneNotDecided serves a request whose client has gone (its
+// context canceled) under each on_redis_error policy: the limiter call
+// ends canceled before Redis answers, and no policy applies. The handler
+// returns the 499 that reverse_proxy logs for a client gone, does not call
+// the next handler, leaves the local store empty and sets no degraded
+// placeholder.
+func TestClientGoneNotDecided(t *testing.T) {
+	srv := redistest.Start(t)
+	for _, policy := range []string{PolicyLocal, PolicyAllow, PolicyDeny} {
+		t.Run(policy, func(t *testing.T) {
+			rc := &RedisConfig{Address: []string{srv.Addr}, Timeout: caddy.Duration(time.Minute)}
+			h := provisionHandler(t, foHandler(rc, policy, 10))
+			ctx, cancel := context.WithCancel(context.Background())
+			cancel()
+			r := serveCtx(ctx, h, "192.0.2.1:1234", "X-User", "gone-"+policy)
+			if r.status != statusClientClosedRequest || !errors.Is(r.err, context.Canceled) || r.passed || r.degraded {
+				t.Errorf("status %d, err %v, passed %v, degraded %v; want 499 with context.Canceled, not passed, not degraded",
+					r.status, r.err, r.passed, r.degraded)
+			}
+			if h.local == nil {
+				if policy == PolicyLocal {
+					t.Error("on_redis_error local without a local store")
+				}
+			} else if n := h.local.Len(); n != 0 {
+				t.Errorf("the local store holds %d buckets, want 0", n)
+			}
+			foWantRedis(t, "the next request", serveUser(h, "gone-"+policy), http.StatusOK, 9)
+		})
+	}
 }
 
 // foTally counts the outcomes of the requests sent during a failover.

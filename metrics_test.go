@@ -364,6 +364,117 @@ func TestMetricsRedisDown(t *testing.T) {
 		check{"caddy_token_bucket_breaker_open", 1})
 }
 
+// TestMetricsClientGone closes a client's connection while its request
+// waits, queued, behind a call to a Redis that does not answer (paused),
+// under on_redis_error local: Go's server cancels the request, its call
+// ends canceled before it was sent, and that is not Redis failing. No
+// policy decides the request: no local decision, no decision counted for
+// the tier; redis_errors_total{kind="canceled"} counts it once, and its
+// bucket is never charged.
+func TestMetricsClientGone(t *testing.T) {
+	tier := uniqueTier("mgone")
+	g := startGateway(t, strings.ReplaceAll(`
+	token_bucket {
+		redis {
+			address REDIS_ADDR
+			timeout 1m
+		}
+		dimension user {http.request.header.X-User}
+		tier TIER {
+			user 10 1/1h
+		}
+	}
+	respond "ok"`, "TIER", tier))
+	b := batchedOf(t, tier)
+	before := scrape(t)
+	g.redis.Pause(t)
+	// The first request's call is under way (one batch at a time, the
+	// default), waiting on the paused Redis; the second queues behind it.
+	first := make(chan e2eResponse, 1)
+	go func() {
+		r, err := g.tryGet("X-User", "first")
+		if err != nil {
+			t.Error(err)
+		}
+		first <- r
+	}()
+	waitPending(t, b, 0, 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	gone := make(chan error, 1)
+	go func() {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, g.url, nil)
+		req.Header.Set("X-User", "alice")
+		resp, err := g.client.Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		gone <- err
+	}()
+	waitPending(t, b, 1, 1)
+	cancel()
+	if err := <-gone; !errors.Is(err, context.Canceled) {
+		t.Fatalf("client: %v, want context.Canceled", err)
+	}
+	waitPending(t, b, 0, 1) // alice's call left the queue
+	g.redis.Resume(t)
+	if r := <-first; r.status != http.StatusOK || r.header.Get("X-RateLimit-Remaining") != "9" {
+		t.Fatalf("first request: status %d, X-RateLimit-Remaining %q; want 200 with 9", r.status, r.header.Get("X-RateLimit-Remaining"))
+	}
+	checks := []check{{series("caddy_token_bucket_redis_errors_total", "kind", errCanceled), 1}}
+	for _, o := range outcomeNames {
+		want := 0.0
+		if o == "allowed" {
+			want = 1 // the first request
+		}
+		checks = append(checks, check{decisions(tier, o), want})
+	}
+	for _, o := range []outcome{outcomeAllowed, outcomeDenied, outcomeUnavailable} {
+		checks = append(checks, check{series("caddy_token_bucket_local_decisions_total", "outcome", outcomeNames[o]), 0})
+	}
+	for _, k := range []string{errTimeout, errConnection, errBreakerOpen, errOther} {
+		checks = append(checks, check{series("caddy_token_bucket_redis_errors_total", "kind", k), 0})
+	}
+	scrape(t).delta(t, before, "client gone", checks...)
+	if r := g.get("X-User", "alice"); r.status != http.StatusOK || r.header.Get("X-RateLimit-Remaining") != "9" {
+		t.Errorf("alice afterwards: status %d, X-RateLimit-Remaining %q; want 200 with 9 (the call of the request gone never sent)",
+			r.status, r.header.Get("X-RateLimit-Remaining"))
+	}
+}
+
+// waitPending waits until b has queued calls queued and running batches
+// under way.
+func waitPending(t *testing.T, b *bucket.Batched, queued, running int) {
+	t.Helper()
+	redistest.WaitFor(t, 10*time.Second, fmt.Sprintf("%d queued, %d under way", queued, running), func() error {
+		if q, r := b.Pending(); q != queued || r != running {
+			return fmt.Errorf("%d queued, %d under way", q, r)
+		}
+		return nil
+	})
+}
+
+// batchedOf returns the batching Redis client of the running handler that
+// has tier.
+func batchedOf(t *testing.T, tier string) *bucket.Batched {
+	t.Helper()
+	handlers.RLock()
+	defer handlers.RUnlock()
+	for _, h := range handlers.list {
+		if h.tiers[tier] == nil {
+			continue
+		}
+		if s, ok := h.conn.store.(bucket.Redis); ok {
+			if b, ok := s.Client.(*bucket.Batched); ok {
+				return b
+			}
+		}
+		t.Fatalf("the handler of tier %s does not batch: store %T", tier, h.conn.store)
+	}
+	t.Fatalf("no running handler has tier %s", tier)
+	return nil
+}
+
 // ---------------------------------------------------------------------------
 // Units.
 

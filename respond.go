@@ -389,9 +389,13 @@ func inputError(err error) (int, *errorAnswer) {
 }
 
 // record sets the placeholders of a verdict and counts it in the metrics
-// and, for a denial, the audit log: every request is recorded here, once.
+// and, for a denial, the audit log: every request is recorded here, once,
+// but for one whose client went away before it was decided.
 func (h *Handler) record(x *exchange, v *verdict) {
 	repl := x.repl
+	if v.gone {
+		return
+	}
 	repl.Set("http.token_bucket.tier", v.tier.nameValue)
 	if v.local {
 		repl.Set("http.token_bucket.degraded", "true")
@@ -421,12 +425,16 @@ func (h *Handler) record(x *exchange, v *verdict) {
 
 // respond answers a verdict: next (settling the usage after it when
 // configured), the 429 with its headers, the 400 or 408 of an input error,
-// or the 503 of on_redis_error deny or a failed local store. Decisions made
+// the 503 of on_redis_error deny or a failed local store, or the 499 logged
+// for a client that went away before Redis answered. Decisions made
 // by on_redis_error carry no rate-limit headers: one node's numbers would
 // mislead.
 func (h *Handler) respond(x *exchange, v *verdict, next caddyhttp.Handler) error {
 	w := x.w
 	switch {
+	case v.gone:
+		// As reverse_proxy reports a client that closed its request.
+		return caddyhttp.Error(statusClientClosedRequest, context.Cause(x.r.Context()))
 	case v.outcome == outcomeUnavailable && v.err != nil:
 		return caddyhttp.Error(http.StatusServiceUnavailable, v.err)
 	case v.outcome == outcomeUnavailable:
