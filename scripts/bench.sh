@@ -19,7 +19,9 @@
 #          (valgrind --tool=callgrind, scriptstats -only): the difference
 #          between BENCH_INSTR_CALLS and 200 calls, over their difference;
 #          unlike time, a count that the machine's load does not move; also
-#          per decision of the peers and the floor, and per FCALL
+#          per decision of the peers and the floor, per FCALL, and per
+#          decision of batches of 50, on buckets of their own or on 3 shared
+#          ones
 #   http   wrk against bin/caddy-bench (bench/e2e.Caddyfile): (a) respond,
 #          (b) token_bucket allowed, (c) denied from the deny cache,
 #          (d) token_bucket + reverse_proxy, (e) reverse_proxy alone,
@@ -310,7 +312,8 @@ instr_phase() {
 	for p in "INCR" "empty script" "TIME+GET script" "TIME+GET+SET script" \
 		"allow, 1 bucket" "allow, 3 buckets" "deny, 1 bucket" "deny, 3 buckets" \
 		"FCALL allow, 1 bucket" "FCALL allow, 3 buckets" "FCALL deny, 1 bucket" "FCALL deny, 3 buckets" \
-		"redis_rate" "hash script" "PING" "batch of 50 decisions, one lua.Batch call" "batch of 50 decisions, pipelined"; do
+		"redis_rate" "hash script" "PING" "batch of 50 decisions, one lua.Batch call" "batch of 50 decisions, pipelined" \
+		"batch of 50 decisions on 3 shared buckets, one lua.Batch call" "batch of 50 decisions on 3 shared buckets, pipelined"; do
 		# Redis Functions need Redis 7 (scriptstats leaves the paths out).
 		[[ "$p" == FCALL* ]] && [ "$(redis-server --version | grep -o 'v=[0-9]*' | cut -d= -f2)" -lt 7 ] && continue
 		# A batch's call is 50 decisions: 20 and 120 of them, and its
@@ -344,6 +347,9 @@ instr_phase() {
 		"batch of 50 decisions, one lua.Batch call, per decision" "batch of 50 decisions, pipelined, per decision"
 	instr_ratio "a decision in one lua.Batch call ÷ allow, 3 buckets alone" \
 		"batch of 50 decisions, one lua.Batch call, per decision" "allow, 3 buckets"
+	instr_ratio "on 3 shared buckets: a decision in one lua.Batch call ÷ pipelined, batches of 50" \
+		"batch of 50 decisions on 3 shared buckets, one lua.Batch call, per decision" \
+		"batch of 50 decisions on 3 shared buckets, pipelined, per decision"
 	say ""
 }
 

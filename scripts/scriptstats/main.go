@@ -340,9 +340,9 @@ func printFunctions(paths []*path, sts []stats) {
 // callOnly makes n calls, one at a time, of the path whose name starts
 // with prefix.
 func callOnly(ctx context.Context, c *redis.Client, prefix string, n int) {
-	for name, merge := range map[string]bool{batchMerged: true, batchPipelined: false} {
-		if strings.HasPrefix(name, prefix) {
-			call := batchCall(ctx, c, merge)
+	for _, m := range batchModes {
+		if strings.HasPrefix(m.name, prefix) {
+			name, call := m.name, batchCall(ctx, c, m.merge, m.shared)
 			for range n {
 				if err := call(); err != nil {
 					fail("%s: %v", name, err)
@@ -366,19 +366,28 @@ func callOnly(ctx context.Context, c *redis.Client, prefix string, n int) {
 }
 
 // callOnly's batches: batchOf "allow, 3 buckets" decisions, each on keys
-// of its own, sent as bucket.Batched sends the calls of concurrent
-// requests, in one lua.Batch call or, as on a Cluster, in a pipeline of
+// of its own (many clients) or all on the same three (one client's
+// concurrent requests, whose buckets lua.Batch reads and writes once per
+// call), sent as bucket.Batched sends the calls of concurrent requests, in
+// one lua.Batch call or, as on a Cluster, in a pipeline of
 // lua.TokenBucket calls. Deterministic, unlike the batches that concurrent
 // callers form, so that an instruction count is per decision of a batch
 // of batchOf.
-const (
-	batchOf        = 50
-	batchMerged    = "batch of 50 decisions, one lua.Batch call"
-	batchPipelined = "batch of 50 decisions, pipelined"
-)
+const batchOf = 50
 
-// batchCall returns a call that sends one batch of batchOf decisions.
-func batchCall(ctx context.Context, c *redis.Client, merge bool) func() error {
+var batchModes = []struct {
+	name          string
+	merge, shared bool
+}{
+	{"batch of 50 decisions, one lua.Batch call", true, false},
+	{"batch of 50 decisions, pipelined", false, false},
+	{"batch of 50 decisions on 3 shared buckets, one lua.Batch call", true, true},
+	{"batch of 50 decisions on 3 shared buckets, pipelined", false, true},
+}
+
+// batchCall returns a call that sends one batch of batchOf decisions, on
+// the same three buckets when shared.
+func batchCall(ctx context.Context, c *redis.Client, merge, shared bool) func() error {
 	var allow *path
 	for _, p := range newPaths(ctx, c, batchOf) {
 		if p.name == "allow, 3 buckets" {
@@ -392,7 +401,11 @@ func batchCall(ctx context.Context, c *redis.Client, merge bool) func() error {
 	return func() error {
 		pipe := b.Pipeline()
 		for cl := range batchOf {
-			lua.TokenBucket.EvalSha(ctx, pipe, allow.keys[cl], args...)
+			keys := allow.keys[cl]
+			if shared {
+				keys = allow.keys[0]
+			}
+			lua.TokenBucket.EvalSha(ctx, pipe, keys, args...)
 		}
 		_, err := pipe.Exec(ctx)
 		return err
