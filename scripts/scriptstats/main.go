@@ -32,9 +32,9 @@
 // the same bucket.Redis.Take (a Scripter that sends FCALL in place of
 // EVALSHA), on the same keys as the EVALSHA path they are named after.
 //
-// Caller side: one goroutine alternates PING and each decision, -samples
-// times, and reports the p50 and p99 of each round trip (a peer's
-// decision is its 3 round trips).
+// Caller side: one goroutine makes PING and each decision in turn, in an
+// order shuffled every round, -samples rounds, and reports the p50 and
+// p99 of each round trip (a peer's decision is its 3 round trips).
 //
 // With -only, it makes -serial calls of the one path whose name starts
 // with -only, one at a time, and prints nothing: scripts/bench.sh runs it
@@ -52,6 +52,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"slices"
 	"strconv"
@@ -210,7 +211,7 @@ func main() {
 	printPeers(paths, sts, *clients)
 	printFunctions(paths, sts)
 
-	fmt.Printf("\n### Caller side: one caller, %d round trips each, PING and the decisions interleaved\n\n", *samples)
+	fmt.Printf("\n### Caller side: one caller, %d round trips each, PING and the decisions interleaved, in an order shuffled every round\n\n", *samples)
 	lat := latencies(ctx, c, paths, *samples)
 	ping := lat[0]
 	fmt.Printf("| round trip | p50 µs | p99 µs | p50 / PING p50 | p50 ≤ %.1f× PING | p99 ≤ %.0f µs |\n", targetP50X, targetP99)
@@ -875,7 +876,11 @@ type latency struct {
 }
 
 // latencies measures PING and each decision from one caller, interleaved
-// so that each sees the same conditions.
+// so that each sees the same conditions, in an order shuffled on every
+// round: a round trip's latency depends on what ran before it (on a
+// virtual machine, how long Redis's core has been idle decides how long it
+// takes to wake), and a fixed order gives each path the same predecessor
+// every time.
 func latencies(ctx context.Context, c *redis.Client, paths []*path, samples int) []latency {
 	var decisions []*path
 	for _, p := range paths {
@@ -884,21 +889,27 @@ func latencies(ctx context.Context, c *redis.Client, paths []*path, samples int)
 		}
 	}
 	times := make([][]time.Duration, 1+len(decisions))
+	order := make([]int, len(times)) // 0: PING; j > 0: decisions[j-1]
+	for j := range order {
+		order[j] = j
+	}
+	rng := rand.New(rand.NewPCG(1, 2)) // the same orders in every run
 	for i := -1000; i < samples; i++ { // the first 1000 warm up
-		t0 := time.Now()
-		if err := c.Ping(ctx).Err(); err != nil {
-			fail("PING: %v", err)
-		}
-		if i >= 0 {
-			times[0] = append(times[0], time.Since(t0))
-		}
-		for j, p := range decisions {
+		rng.Shuffle(len(order), func(a, b int) { order[a], order[b] = order[b], order[a] })
+		for _, j := range order {
 			t0 := time.Now()
-			if err := p.call(ctx, 0); err != nil {
-				fail("%s: %v", p.name, err)
+			var err error
+			if j == 0 {
+				err = c.Ping(ctx).Err()
+			} else {
+				err = decisions[j-1].call(ctx, 0)
+			}
+			d := time.Since(t0)
+			if err != nil {
+				fail("round trip %d of %v (0: PING): %v", j, order, err)
 			}
 			if i >= 0 {
-				times[j+1] = append(times[j+1], time.Since(t0))
+				times[j] = append(times[j], d)
 			}
 		}
 	}
