@@ -62,6 +62,27 @@ func (h *Handler) holdSlots(v *verdict) *slots {
 	return s
 }
 
+// releaseLeases releases in Redis the concurrency slots that req's call
+// may have taken under its lease id, for a request whose answer was lost
+// (its client gone while the call was under way). A slot that the call
+// did not take is left alone: a release removes only this lease id.
+func (h *Handler) releaseLeases(req *request) {
+	if req.leases == 0 {
+		return
+	}
+	var keys []string
+	var id string
+	for i, l := range req.limits {
+		if l.concurrent {
+			keys, id = append(keys, req.keys[i]), req.takes[i].LeaseID
+		}
+	}
+	if _, err := h.conn.lease(context.Background(), keys, id, 0); err != nil {
+		h.logger.Warn("releasing the concurrency slots of a request whose client went away failed; they lapse with their lease",
+			zap.Duration("concurrency_lease", time.Duration(h.ConcurrencyLease)), zap.Error(err))
+	}
+}
+
 // renewEvery is the time between renewals of a lease: half of it, so that
 // one renewal may fail or come late without the lease lapsing.
 func (h *Handler) renewEvery() time.Duration { return time.Duration(h.ConcurrencyLease) / 2 }

@@ -85,7 +85,7 @@ func (h *Handler) decide(x *exchange) verdict {
 		h.unwait() // not held after all
 	}
 	if err != nil {
-		return h.decideDegraded(x, err)
+		return h.decideDegraded(x, err, req)
 	}
 	if held && d.Reason == bucket.RateLimited { // offered a reservation: see retryAfterWait
 		d = h.retryAfterWait(req, d)
@@ -198,7 +198,7 @@ func (h *Handler) decideDemote(x *exchange, store bucket.Redis, id string) verdi
 		h.unwait() // not held after all
 	}
 	if err != nil {
-		return h.decideDegraded(x, err)
+		return h.decideDegraded(x, err, req, preq)
 	}
 	if state == bucket.Demoted {
 		t, req = h.demote.penalty, preq
@@ -220,10 +220,18 @@ func (h *Handler) decideDemote(x *exchange, store bucket.Redis, id string) verdi
 // A call canceled because the client went away is not Redis failing: no
 // policy applies, as no answer will be read. The request is not decided
 // (not counted in decisions_total, not passed on to next, not charged to
-// the local store); it counts in redis_errors_total{kind="canceled"}.
-func (h *Handler) decideDegraded(x *exchange, cause error) verdict {
+// the local store); it counts in redis_errors_total{kind="canceled"}. A
+// call written before the client left may still run in Redis: its
+// buckets' charges stand (the gateway cannot tell whether it ran), and
+// the concurrency slots it may have taken, reqs' (the request's, and on
+// the demotion path the penalty tier's), are released at once rather
+// than held till their lease lapses.
+func (h *Handler) decideDegraded(x *exchange, cause error, reqs ...*request) verdict {
 	kind := countRedisError(cause)
 	if kind == errCanceled && x.r.Context().Err() != nil {
+		for _, req := range reqs {
+			h.releaseLeases(req)
+		}
 		return verdict{tier: x.tier, gone: true}
 	}
 	// While the breaker is open every call fails at once; the breaker

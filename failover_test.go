@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"regexp"
 	"runtime"
@@ -19,6 +20,7 @@ import (
 	"github.com/sony/gobreaker/v2"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
 	"github.com/token-bucket/token_bucket/bucket"
 	"github.com/token-bucket/token_bucket/internal/redistest"
@@ -346,6 +348,42 @@ func TestClientGoneNotDecided(t *testing.T) {
 			}
 			foWantRedis(t, "the next request", serveUser(h, "gone-"+policy), http.StatusOK, 9)
 		})
+	}
+}
+
+// TestClientGoneReleasesSlot: a request's call took a concurrency slot in
+// Redis, but its client went away before the answer was read (the call ran
+// and its reply was lost to the request). The handler does not decide the
+// request, and releases the slot at once instead of holding it until its
+// lease lapses.
+func TestClientGoneReleasesSlot(t *testing.T) {
+	srv := redistest.Start(t)
+	rc := &RedisConfig{Address: []string{srv.Addr}, Timeout: caddy.Duration(time.Minute)}
+	h := foHandler(rc, PolicyLocal, 10)
+	h.Tiers[0].Limits = append(h.Tiers[0].Limits, Limit{Dimension: "user", Capacity: 2, Unit: UnitConcurrent})
+	provisionHandler(t, h)
+	ctx, cancel := context.WithCancel(context.Background())
+	req := httptest.NewRequestWithContext(ctx, http.MethodGet, "http://gateway.test/", nil)
+	req.Header.Set("X-User", "gone")
+	rec := httptest.NewRecorder()
+	req = caddyhttp.PrepareRequest(req, caddy.NewReplacer(), rec, &caddyhttp.Server{})
+	var x exchange
+	h.build(&x, rec, req)
+	// The call that ran in Redis: it took one of the two slots.
+	if d, err := h.conn.take(context.Background(), x.req.keys, x.req.takes); err != nil || !d.Allowed {
+		t.Fatalf("take: %+v, %v", d, err)
+	}
+	slots := x.req.keys[1]
+	if n := srv.Client(t).ZCard(context.Background(), slots).Val(); n != 1 {
+		t.Fatalf("%d leases held after the take, want 1", n)
+	}
+	cancel() // the client goes
+	v := h.decideDegraded(&x, fmt.Errorf("running token bucket script: %w", context.Canceled), x.req)
+	if !v.gone || v.decided || v.local {
+		t.Errorf("verdict %+v, want gone, not decided", v)
+	}
+	if n := srv.Client(t).ZCard(context.Background(), slots).Val(); n != 0 {
+		t.Errorf("%d leases held after the client went away, want 0", n)
 	}
 }
 

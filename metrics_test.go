@@ -370,13 +370,17 @@ func TestMetricsRedisDown(t *testing.T) {
 // ends canceled before it was sent, and that is not Redis failing. No
 // policy decides the request: no local decision, no decision counted for
 // the tier; redis_errors_total{kind="canceled"} counts it once, and its
-// bucket is never charged.
+// bucket is never charged. The gateway reaches Redis through a proxy, which
+// shows when the first call has been written.
 func TestMetricsClientGone(t *testing.T) {
 	tier := uniqueTier("mgone")
-	g := startGateway(t, strings.ReplaceAll(`
+	srv := redistest.Start(t)
+	proxy := redistest.StartProxy(t)
+	proxy.SetTarget(srv.Addr)
+	g := startGateway(t, strings.NewReplacer("TIER", tier, "PROXY_ADDR", proxy.Addr).Replace(`
 	token_bucket {
 		redis {
-			address REDIS_ADDR
+			address PROXY_ADDR
 			timeout 1m
 		}
 		dimension user {http.request.header.X-User}
@@ -384,12 +388,13 @@ func TestMetricsClientGone(t *testing.T) {
 			user 10 1/1h
 		}
 	}
-	respond "ok"`, "TIER", tier))
+	respond "ok"`))
 	b := batchedOf(t, tier)
 	before := scrape(t)
-	g.redis.Pause(t)
-	// The first request's call is under way (one batch at a time, the
-	// default), waiting on the paused Redis; the second queues behind it.
+	srv.Pause(t)
+	// The first request's call is written (one batch at a time, the
+	// default) and waits on the paused Redis; the second queues behind it.
+	proxy.DelayReplyTo("evalsha", time.Nanosecond) // to see the call pass
 	first := make(chan e2eResponse, 1)
 	go func() {
 		r, err := g.tryGet("X-User", "first")
@@ -398,7 +403,12 @@ func TestMetricsClientGone(t *testing.T) {
 		}
 		first <- r
 	}()
-	waitPending(t, b, 0, 1)
+	redistest.WaitFor(t, 10*time.Second, "the first call to be written", func() error {
+		if proxy.Armed() {
+			return errors.New("not yet")
+		}
+		return nil
+	})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	gone := make(chan error, 1)
@@ -416,12 +426,19 @@ func TestMetricsClientGone(t *testing.T) {
 	if err := <-gone; !errors.Is(err, context.Canceled) {
 		t.Fatalf("client: %v, want context.Canceled", err)
 	}
-	waitPending(t, b, 0, 1) // alice's call left the queue
-	g.redis.Resume(t)
+	canceled := series("caddy_token_bucket_redis_errors_total", "kind", errCanceled)
+	redistest.WaitFor(t, 10*time.Second, "the canceled call to be counted", func() error {
+		if d := scrape(t)[canceled] - before[canceled]; d != 1 {
+			return fmt.Errorf("%v canceled calls", d)
+		}
+		return nil
+	})
+	waitPending(t, b, 0, 1) // alice's call left the queue, unsent
+	srv.Resume(t)
 	if r := <-first; r.status != http.StatusOK || r.header.Get("X-RateLimit-Remaining") != "9" {
 		t.Fatalf("first request: status %d, X-RateLimit-Remaining %q; want 200 with 9", r.status, r.header.Get("X-RateLimit-Remaining"))
 	}
-	checks := []check{{series("caddy_token_bucket_redis_errors_total", "kind", errCanceled), 1}}
+	checks := []check{{canceled, 1}}
 	for _, o := range outcomeNames {
 		want := 0.0
 		if o == "allowed" {

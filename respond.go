@@ -389,14 +389,14 @@ func inputError(err error) (int, *errorAnswer) {
 }
 
 // record sets the placeholders of a verdict and counts it in the metrics
-// and, for a denial, the audit log: every request is recorded here, once,
-// but for one whose client went away before it was decided.
+// and, for a denial, the audit log: every request is recorded here, once;
+// of one whose client went away before it was decided, only the tier.
 func (h *Handler) record(x *exchange, v *verdict) {
 	repl := x.repl
+	repl.Set("http.token_bucket.tier", v.tier.nameValue)
 	if v.gone {
 		return
 	}
-	repl.Set("http.token_bucket.tier", v.tier.nameValue)
 	if v.local {
 		repl.Set("http.token_bucket.degraded", "true")
 	}
