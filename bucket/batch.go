@@ -126,8 +126,9 @@ func roundTripFailed(err error) bool {
 // requests), one read and one write of each key. Each caller still gets
 // its own reply or error reply. Redis executes 17.5% fewer instructions
 // per decision than for the same calls pipelined, 50.7% fewer when the 50
-// calls of a batch share their buckets (BENCHMARKS.md). A Cluster's keys lie on
-// many slots, which one call cannot span, so its calls are pipelined.
+// calls of a batch share their buckets (BENCHMARKS.md). A Cluster's keys
+// lie on many slots, which one call cannot span, so its calls are
+// pipelined.
 func NewBatched(client redis.UniversalClient, opt BatchOptions) *Batched {
 	if opt.InFlight <= 0 {
 		opt.InFlight = DefaultBatchInFlight
