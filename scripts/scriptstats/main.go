@@ -214,16 +214,17 @@ func main() {
 	fmt.Printf("\n### Caller side: one caller, %d round trips each, PING and the decisions interleaved, in an order shuffled every round\n\n", *samples)
 	lat := latencies(ctx, c, paths, *samples)
 	ping := lat[0]
-	fmt.Printf("| round trip | p50 µs | p99 µs | p50 / PING p50 | p50 ≤ %.1f× PING | p99 ≤ %.0f µs |\n", targetP50X, targetP99)
-	fmt.Println("|---|---:|---:|---:|---|---|")
-	fmt.Printf("| PING | %.1f | %.1f | 1.00 | | |\n", ping.p50, ping.p99)
+	fmt.Printf("| round trip | p25 µs | p50 µs | p75 µs | p99 µs | p50 / PING p50 | p50 ≤ %.1f× PING | p99 ≤ %.0f µs |\n", targetP50X, targetP99)
+	fmt.Println("|---|---:|---:|---:|---:|---:|---|---|")
+	fmt.Printf("| PING | %.1f | %.1f | %.1f | %.1f | 1.00 | | |\n", ping.p25, ping.p50, ping.p75, ping.p99)
 	for _, l := range lat[1:] {
 		x := l.p50 / ping.p50
-		if !l.judged {
-			fmt.Printf("| %s | %.1f | %.1f | %.2f | | |\n", l.name, l.p50, l.p99, x)
-			continue
+		fmt.Printf("| %s | %.1f | %.1f | %.1f | %.1f | %.2f |", l.name, l.p25, l.p50, l.p75, l.p99, x)
+		if l.judged {
+			fmt.Printf(" %s | %s |\n", yes(x <= targetP50X), yes(l.p99 <= targetP99))
+		} else {
+			fmt.Println(" | |")
 		}
-		fmt.Printf("| %s | %.1f | %.1f | %.2f | %s | %s |\n", l.name, l.p50, l.p99, x, yes(x <= targetP50X), yes(l.p99 <= targetP99))
 	}
 }
 
@@ -558,7 +559,7 @@ func newPaths(ctx context.Context, c *redis.Client, clients int) []*path {
 		{name: "INCR (baseline)", command: "incr", call: func(ctx context.Context, cl int) error {
 			return c.Incr(ctx, "scriptstats:incr:"+strconv.Itoa(cl)).Err()
 		}},
-		{name: "empty script (baseline)", command: "evalsha", call: func(ctx context.Context, _ int) error {
+		{name: "empty script (baseline)", command: "evalsha", latency: true, call: func(ctx context.Context, _ int) error {
 			return noop.EvalSha(ctx, c, nil).Err()
 		}},
 		floor("TIME+GET script (floor of a 1-bucket deny)", readFloor),
@@ -870,9 +871,9 @@ func median(v []float64) float64 {
 
 // latency is a round trip's percentiles in µs.
 type latency struct {
-	name     string
-	p50, p99 float64
-	judged   bool // held to the targets: this project's decisions, not the peers'
+	name               string
+	p25, p50, p75, p99 float64
+	judged             bool // held to the targets: this project's decisions, not the peers' or the empty script's
 }
 
 // latencies measures PING and each decision from one caller, interleaved
@@ -918,10 +919,11 @@ func latencies(ctx context.Context, c *redis.Client, paths []*path, samples int)
 		slices.Sort(ts)
 		l := latency{name: "PING"}
 		if i > 0 {
-			l.name, l.judged = decisions[i-1].name, decisions[i-1].role != rolePeer
+			p := decisions[i-1]
+			l.name, l.judged = p.name, p.role != rolePeer && p.takes != nil // the empty script has none
 		}
 		at := func(q float64) float64 { return float64(ts[int(q*float64(len(ts)-1))]) / 1e3 }
-		l.p50, l.p99 = at(0.50), at(0.99)
+		l.p25, l.p50, l.p75, l.p99 = at(0.25), at(0.50), at(0.75), at(0.99)
 		out[i] = l
 	}
 	return out
