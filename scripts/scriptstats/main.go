@@ -32,9 +32,10 @@
 // the same bucket.Redis.Take (a Scripter that sends FCALL in place of
 // EVALSHA), on the same keys as the EVALSHA path they are named after.
 //
-// Caller side: one goroutine makes PING and each decision in turn, in an
-// order shuffled every round, -samples rounds, and reports the p50 and
-// p99 of each round trip (a peer's decision is its 3 round trips).
+// Caller side: one goroutine makes PING, an empty script and each decision
+// in turn, in an order shuffled every round, -samples rounds, and reports
+// the p25, p50, p75 and p99 of each round trip (a peer's decision is its 3
+// round trips).
 //
 // With -only, it makes -serial calls of the one path whose name starts
 // with -only, one at a time, and prints nothing: scripts/bench.sh runs it
@@ -878,10 +879,8 @@ type latency struct {
 
 // latencies measures PING and each decision from one caller, interleaved
 // so that each sees the same conditions, in an order shuffled on every
-// round: a round trip's latency depends on what ran before it (on a
-// virtual machine, how long Redis's core has been idle decides how long it
-// takes to wake), and a fixed order gives each path the same predecessor
-// every time.
+// round: a fixed order would give each path the same predecessor every
+// time, and a round trip's latency may depend on what ran before it.
 func latencies(ctx context.Context, c *redis.Client, paths []*path, samples int) []latency {
 	var decisions []*path
 	for _, p := range paths {
