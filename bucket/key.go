@@ -5,9 +5,9 @@ import (
 	"crypto/sha256"
 	"encoding/base64"
 	"hash"
-	"io"
 	"strings"
 	"sync"
+	"unsafe"
 )
 
 // IDLength is the length of a hashed identity in a key: 16 bytes of
@@ -38,7 +38,7 @@ func NewKeyer(prefix, secret string) Keyer {
 	if secret != "" {
 		key := []byte(secret)
 		k.macs = &sync.Pool{New: func() any {
-			return &macState{mac: hmac.New(sha256.New, key), in: make([]byte, 0, shortIdentity), sum: make([]byte, 0, sha256.Size)}
+			return &macState{mac: hmac.New(sha256.New, key), sum: make([]byte, 0, sha256.Size)}
 		}}
 	}
 	return k
@@ -51,8 +51,8 @@ func (k Keyer) ID(identity string) string {
 }
 
 // Key returns the key of identity's bucket in dimension; unit is "" for a
-// requests limit. It allocates the key and nothing else for identities of up
-// to 256 bytes (shortIdentity).
+// requests limit. It allocates the key and nothing else, for an identity of
+// any length.
 func (k Keyer) Key(dimension, identity, unit string) string {
 	var id [IDLength]byte
 	k.appendID(id[:0], identity)
@@ -75,42 +75,27 @@ func (k Keyer) Key(dimension, identity, unit string) string {
 	return b.String()
 }
 
-// shortIdentity is the longest identity hashed without allocating: it is
-// copied to a buffer (on the stack, or pooled with the HMAC) instead of
-// converted to a new []byte. API keys, user ids and addresses are shorter.
-const shortIdentity = 256
-
+// appendID appends identity's id. The identity is hashed where it is,
+// without a copy: SHA-256 and HMAC only read their input.
 func (k Keyer) appendID(b []byte, identity string) []byte {
+	in := unsafe.Slice(unsafe.StringData(identity), len(identity)) // read-only
 	if k.macs != nil {
-		return k.appendMAC(b, identity)
+		return k.appendMAC(b, in)
 	}
-	var sum [sha256.Size]byte
-	if len(identity) <= shortIdentity {
-		var in [shortIdentity]byte
-		sum = sha256.Sum256(append(in[:0], identity...))
-	} else {
-		sum = sha256.Sum256([]byte(identity))
-	}
+	sum := sha256.Sum256(in)
 	return base64.RawURLEncoding.AppendEncode(b, sum[:16])
 }
 
-// macState is a keyed HMAC with buffers for its input and its sum, pooled
-// together.
+// macState is a keyed HMAC and a buffer for its sum, pooled together.
 type macState struct {
 	mac hash.Hash
-	in  []byte // cap shortIdentity
 	sum []byte
 }
 
-func (k Keyer) appendMAC(b []byte, identity string) []byte {
+func (k Keyer) appendMAC(b, identity []byte) []byte {
 	st := k.macs.Get().(*macState)
 	st.mac.Reset()
-	if len(identity) <= shortIdentity {
-		st.in = append(st.in[:0], identity...)
-		_, _ = st.mac.Write(st.in)
-	} else {
-		_, _ = io.WriteString(st.mac, identity)
-	}
+	_, _ = st.mac.Write(identity)
 	st.sum = st.mac.Sum(st.sum[:0])
 	b = base64.RawURLEncoding.AppendEncode(b, st.sum[:16])
 	k.macs.Put(st)

@@ -45,12 +45,12 @@ func TestKeyHostileIdentities(t *testing.T) {
 	}
 }
 
-// TestKeyIDAroundShortIdentity: identities hashed from the copy buffer
-// (up to shortIdentity bytes) and those converted whole give the documented
-// SHA-256 and HMAC-SHA-256 ids.
-func TestKeyIDAroundShortIdentity(t *testing.T) {
+// TestKeyIDLengths: identities of every length around SHA-256's 64-byte
+// block, hashed where they are, give the documented SHA-256 and
+// HMAC-SHA-256 ids.
+func TestKeyIDLengths(t *testing.T) {
 	plain, keyed := NewKeyer("rl:", ""), NewKeyer("rl:", "s3cret")
-	for _, n := range []int{0, 1, 32, 33, shortIdentity - 1, shortIdentity, shortIdentity + 1, 4 * shortIdentity} {
+	for _, n := range []int{0, 1, 32, 33, 55, 56, 63, 64, 65, 255, 256, 257, 1024} {
 		id := strings.Repeat("k", n)
 		sum := sha256.Sum256([]byte(id))
 		if got, want := plain.ID(id), base64.RawURLEncoding.EncodeToString(sum[:16]); got != want {
@@ -60,6 +60,18 @@ func TestKeyIDAroundShortIdentity(t *testing.T) {
 		mac.Write([]byte(id))
 		if got, want := keyed.ID(id), base64.RawURLEncoding.EncodeToString(mac.Sum(nil)[:16]); got != want {
 			t.Errorf("HMAC id of %d bytes = %q, want %q", n, got, want)
+		}
+	}
+}
+
+// TestKeyAllocatesTheKeyOnly: Key allocates the key string and nothing
+// else, for a short and a long identity. (With a secret the HMAC comes from
+// a sync.Pool, which the race detector empties at random.)
+func TestKeyAllocatesTheKeyOnly(t *testing.T) {
+	k := NewKeyer("rl:", "")
+	for _, id := range []string{"alice", strings.Repeat("k", 4096)} {
+		if n := testing.AllocsPerRun(100, func() { k.Key("user", id, "tokens") }); n != 1 {
+			t.Errorf("Key of a %d-byte identity: %v allocations, want 1", len(id), n)
 		}
 	}
 }
