@@ -160,9 +160,9 @@ func (h *Handler) compile() error {
 			h.MaxWaiting = DefaultMaxWaiting
 		}
 	}
-	h.idKeys = make([]string, len(h.Dimensions))
+	h.idSources = make([]idSource, len(h.Dimensions))
 	for i, d := range h.Dimensions {
-		h.idKeys[i] = placeholderKey(d.Identity)
+		h.idSources[i] = newIDSource(d.Identity)
 	}
 	h.cost, _ = staticCost(h.Cost)
 	h.keyer = bucket.NewKeyer(h.KeyPrefix, caddy.NewReplacer().ReplaceKnown(h.KeySecret, ""))

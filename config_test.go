@@ -132,8 +132,8 @@ func TestCompile(t *testing.T) {
 	if got := h.tiers["free"].policy; got != `"user";q=10;w=60, "user-tokens";q=1000;w=10` {
 		t.Errorf("free policy %s", got)
 	}
-	if h.idKeys[0] != "http.request.header.X-User" || h.idKeys[1] != "" {
-		t.Errorf("identity keys %q", h.idKeys)
+	if h.idSources[0] != (idSource{key: "http.request.header.X-User", header: "X-User"}) || h.idSources[1] != (idSource{}) {
+		t.Errorf("identity sources %+v", h.idSources)
 	}
 	if h.cost != 7 || h.denials != nil || h.local == nil || h.demote != nil {
 		t.Errorf("cost %d, deny cache %v, local store %v, demotion %v", h.cost, h.denials, h.local, h.demote)

@@ -202,20 +202,20 @@ type Handler struct {
 	// audit_window, audit_client_ip, audit_buckets.
 	AuditOptions
 
-	logger  *zap.Logger
-	keyer   bucket.Keyer
-	idKeys  []string // per dimension: its template's lone placeholder, see placeholderKey
-	tiers   map[string]*tier
-	deflt   *tier
-	cost    int64 // -1: evaluate the Cost template per request
-	conn    *conn
-	local   *bucket.Local
-	denials *bucket.DenyCache
-	demote  *demotion
-	metrics *handlerMetrics
-	audit   *auditor
-	poolKey string
-	now     func() time.Time
+	logger    *zap.Logger
+	keyer     bucket.Keyer
+	idSources []idSource // per dimension: where a template that is one placeholder reads it
+	tiers     map[string]*tier
+	deflt     *tier
+	cost      int64 // -1: evaluate the Cost template per request
+	conn      *conn
+	local     *bucket.Local
+	denials   *bucket.DenyCache
+	demote    *demotion
+	metrics   *handlerMetrics
+	audit     *auditor
+	poolKey   string
+	now       func() time.Time
 	// modelFirst: the request's buckets depend on its model (a limit
 	// scoped by models, or a template naming {http.token_bucket.model}),
 	// so the body is read before they are built.

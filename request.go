@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
 	"github.com/token-bucket/token_bucket/bucket"
 )
@@ -104,10 +105,10 @@ func (in *inputs) clock(h *Handler) time.Time {
 // on first use. Past the first 8 dimensions it is resolved on every use.
 func (in *inputs) identity(h *Handler, i int) string {
 	if i >= len(in.ids) {
-		return h.identity(in.repl, i)
+		return h.identity(in.r, in.repl, i)
 	}
 	if in.resolved&(1<<i) == 0 {
-		in.ids[i] = h.identity(in.repl, i)
+		in.ids[i] = h.identity(in.r, in.repl, i)
 		in.resolved |= 1 << i
 	}
 	return in.ids[i]
@@ -284,17 +285,13 @@ func (h *Handler) price(in *inputs, req *request) error {
 	return nil
 }
 
-// identity resolves dimension i's template; "" means the dimension is
-// skipped because a placeholder in it is empty or unknown. An identity that
-// is an IP address is masked to the configured prefix.
-func (h *Handler) identity(repl *caddy.Replacer, i int) string {
+// identity resolves dimension i's template for request r; "" means the
+// dimension is skipped because a placeholder in it is empty or unknown. An
+// identity that is an IP address is masked to the configured prefix.
+func (h *Handler) identity(r *http.Request, repl *caddy.Replacer, i int) string {
 	var id string
-	if i < len(h.idKeys) && h.idKeys[i] != "" {
-		// What ReplaceOrErr gives for a lone placeholder, without copying
-		// the value into a new string.
-		if v, ok := repl.Get(h.idKeys[i]); ok {
-			id = caddy.ToString(v)
-		}
+	if i < len(h.idSources) && h.idSources[i].key != "" {
+		id = h.idSources[i].value(r, repl)
 	} else {
 		var err error
 		if id, err = repl.ReplaceOrErr(h.Dimensions[i].Identity, true, true); err != nil {
@@ -307,33 +304,66 @@ func (h *Handler) identity(repl *caddy.Replacer, i int) string {
 	return h.normalizeIdentity(id)
 }
 
-// placeholderKey returns key when template is exactly one placeholder,
-// "{key}", and "" otherwise. For such a template Replacer.ReplaceOrErr
-// returns the placeholder's value as a string, or an error when it is
-// unknown or empty. Keys with braces or escapes, and {file.*} (memoized
-// by the replacer), are left to ReplaceOrErr.
-//
-// The field name of a {http.request.header.*} key is canonicalized here,
-// once, as Caddy's replacer canonicalizes it on every lookup
-// (textproto.CanonicalMIMEHeaderKey): "X-API-Key" would otherwise cost an
-// allocation per request.
-func placeholderKey(template string) string {
+// idSource is where an identity template that is one placeholder, "{key}",
+// reads its value: a request header field, a variable, or Caddy's
+// replacer. For such a template Replacer.ReplaceOrErr returns the
+// placeholder's value as a string, or an error when it is unknown or
+// empty; value returns the same string, "" for both errors.
+type idSource struct {
+	key    string // the placeholder's key; "" when the template is not one placeholder
+	header string // for {http.request.header.<field>}: the field, canonical
+	vr     string // for {http.vars.<name>} (and {client_ip}): the variable
+}
+
+// value returns the placeholder's value for r. A header field or a
+// variable is read from r as Caddy's replacer reads it (the field's values
+// joined with ",", as in modules/caddyhttp/replacer.go; the variable
+// through caddyhttp.GetVar), without going through the replacer's
+// providers: on a cached denial those lookups were a fifth of the
+// handler's time, and each value came back boxed in an interface, an
+// allocation. The one difference: a value set for the same key with
+// Replacer.Set, which the replacer would return first, is not read (no
+// Caddy module sets one). Other keys go through the replacer.
+func (s *idSource) value(r *http.Request, repl *caddy.Replacer) string {
+	switch {
+	case s.header != "":
+		return strings.Join(r.Header[s.header], ",")
+	case s.vr != "":
+		return caddy.ToString(caddyhttp.GetVar(r.Context(), s.vr))
+	}
+	v, _ := repl.Get(s.key)
+	return caddy.ToString(v)
+}
+
+// newIDSource returns the idSource of template. Keys with braces or
+// escapes, and {file.*} (memoized by the replacer), are left to
+// ReplaceOrErr (key ""). The field name of a {http.request.header.*} key
+// is canonicalized here, once, as Caddy's replacer canonicalizes it on
+// every lookup (textproto.CanonicalMIMEHeaderKey).
+func newIDSource(template string) idSource {
 	if len(template) < 3 || template[0] != '{' || template[len(template)-1] != '}' {
-		return ""
+		return idSource{}
 	}
 	key := template[1 : len(template)-1]
 	if strings.ContainsAny(key, `{}\`) || strings.HasPrefix(key, "file.") {
-		return ""
+		return idSource{}
 	}
-	if field, ok := strings.CutPrefix(key, reqHeaderPlaceholder); ok {
-		key = reqHeaderPlaceholder + textproto.CanonicalMIMEHeaderKey(field)
+	if field, ok := strings.CutPrefix(key, reqHeaderPlaceholder); ok && field != "" {
+		field = textproto.CanonicalMIMEHeaderKey(field)
+		return idSource{key: reqHeaderPlaceholder + field, header: field}
 	}
-	return key
+	if name, ok := strings.CutPrefix(key, varsPlaceholder); ok && name != "" {
+		return idSource{key: key, vr: name}
+	}
+	return idSource{key: key}
 }
 
 // reqHeaderPlaceholder starts the placeholders of request header fields,
 // {http.request.header.<field>}.
 const reqHeaderPlaceholder = "http.request.header."
+
+// varsPlaceholder starts the placeholders of variables, {http.vars.<name>}.
+const varsPlaceholder = "http.vars."
 
 // normalizeIdentity gives an identity its form in keys: an IP address is
 // masked to ipv4_prefix / ipv6_prefix bits (an IPv4-mapped IPv6 address

@@ -83,38 +83,70 @@ func TestLonePlaceholderIdentity(t *testing.T) {
 	for _, tmpl := range templates {
 		dims = append(dims, Dimension{Name: "d", Identity: tmpl})
 	}
-	fast := &Handler{Dimensions: dims, IPv4Prefix: 32, IPv6Prefix: 64, idKeys: make([]string, len(dims))}
-	for i, d := range dims {
-		fast.idKeys[i] = placeholderKey(d.Identity)
+	fast := &Handler{Dimensions: dims, IPv4Prefix: 32, IPv6Prefix: 64}
+	for _, d := range dims {
+		fast.idSources = append(fast.idSources, newIDSource(d.Identity))
 	}
-	slow := &Handler{Dimensions: dims, IPv4Prefix: 32, IPv6Prefix: 64} // no idKeys: ReplaceOrErr
+	slow := &Handler{Dimensions: dims, IPv4Prefix: 32, IPv6Prefix: 64} // no idSources: ReplaceOrErr
+	r := httptest.NewRequest("GET", "/", nil)
 	for i, tmpl := range templates {
-		if got, want := fast.identity(repl, i), slow.identity(repl, i); got != want {
-			t.Errorf("template %q (key %q): identity %q, ReplaceOrErr gives %q", tmpl, fast.idKeys[i], got, want)
+		if got, want := fast.identity(r, repl, i), slow.identity(r, repl, i); got != want {
+			t.Errorf("template %q (source %+v): identity %q, ReplaceOrErr gives %q", tmpl, fast.idSources[i], got, want)
 		}
 	}
-	for tmpl, want := range map[string]string{"{s}": "s", "{http.request.header.X-User}": "http.request.header.X-User",
-		"{http.request.header.X-API-Key}": "http.request.header.X-Api-Key", "{http.request.header.x odd}": "http.request.header.x odd",
-		"{}": "", "x{s}": "", "{s}{n}": "", `{s\}`: "", "{file.key}": ""} {
-		if got := placeholderKey(tmpl); got != want {
-			t.Errorf("placeholderKey(%q) = %q, want %q", tmpl, got, want)
+	for tmpl, want := range map[string]idSource{
+		"{s}":                             {key: "s"},
+		"{http.request.header.X-User}":    {key: "http.request.header.X-User", header: "X-User"},
+		"{http.request.header.X-API-Key}": {key: "http.request.header.X-Api-Key", header: "X-Api-Key"},
+		"{http.request.header.x odd}":     {key: "http.request.header.x odd", header: "x odd"},
+		"{http.request.header.}":          {key: "http.request.header."},
+		"{http.vars.client_ip}":           {key: "http.vars.client_ip", vr: "client_ip"},
+		"{http.vars.}":                    {key: "http.vars."},
+		"{}":                              {}, "x{s}": {}, "{s}{n}": {}, `{s\}`: {}, "{file.key}": {},
+	} {
+		if got := newIDSource(tmpl); got != want {
+			t.Errorf("newIDSource(%q) = %+v, want %+v", tmpl, got, want)
 		}
 	}
 }
 
-// TestHeaderIdentityCanonical: a lone {http.request.header.*} identity,
-// its field name canonicalized at provision, reads the header as Caddy's
-// replacer does for the name as written, whatever its case.
-func TestHeaderIdentityCanonical(t *testing.T) {
+// TestDirectIdentity: a lone {http.request.header.*} or {http.vars.*}
+// identity, read from the request without the replacer, is what Caddy's
+// replacer gives for it (through ReplaceOrErr): for a field name in any
+// case, a field sent twice, absent or empty, and for variables of every
+// kind, set or not.
+func TestDirectIdentity(t *testing.T) {
 	r := httptest.NewRequest("GET", "/", nil)
 	r.Header.Set("X-API-Key", "sk-1")
-	repl := caddyhttp.NewTestReplacer(r)
-	for _, tmpl := range []string{"{http.request.header.X-API-Key}", "{http.request.header.x-api-key}", "{http.request.header.X-Api-Key}", "{http.request.header.X-Other}"} {
+	r.Header.Add("X-Twice", "a")
+	r.Header.Add("X-Twice", "b")
+	r.Header.Set("X-Empty", "")
+	repl := caddy.NewReplacer()
+	r = caddyhttp.PrepareRequest(r, repl, httptest.NewRecorder(), &caddyhttp.Server{})
+	caddyhttp.SetVar(r.Context(), "client_ip", "192.0.2.7")
+	caddyhttp.SetVar(r.Context(), "n", 42)
+	caddyhttp.SetVar(r.Context(), "nil", nil)
+	caddyhttp.SetVar(r.Context(), "empty", "")
+	for _, tmpl := range []string{"{http.request.header.X-API-Key}", "{http.request.header.x-api-key}",
+		"{http.request.header.X-Api-Key}", "{http.request.header.X-Twice}", "{http.request.header.X-Empty}",
+		"{http.request.header.X-Other}", "{http.vars.client_ip}", "{http.vars.n}", "{http.vars.nil}",
+		"{http.vars.empty}", "{http.vars.unset}"} {
 		dims := []Dimension{{Name: "d", Identity: tmpl}}
-		fast := &Handler{Dimensions: dims, idKeys: []string{placeholderKey(tmpl)}}
-		slow := &Handler{Dimensions: dims} // no idKeys: ReplaceOrErr
-		if got, want := fast.identity(repl, 0), slow.identity(repl, 0); got != want {
-			t.Errorf("template %q (key %q): identity %q, ReplaceOrErr gives %q", tmpl, fast.idKeys[0], got, want)
+		fast := &Handler{Dimensions: dims, idSources: []idSource{newIDSource(tmpl)}}
+		slow := &Handler{Dimensions: dims} // no idSources: ReplaceOrErr
+		if fast.idSources[0].header == "" && fast.idSources[0].vr == "" {
+			t.Fatalf("template %q is not read directly: %+v", tmpl, fast.idSources[0])
+		}
+		if got, want := fast.identity(r, repl, 0), slow.identity(r, repl, 0); got != want {
+			t.Errorf("template %q (source %+v): identity %q, ReplaceOrErr gives %q", tmpl, fast.idSources[0], got, want)
+		}
+	}
+	for tmpl, want := range map[string]string{"{http.request.header.x-api-key}": "sk-1",
+		"{http.request.header.X-Twice}": "a,b", "{http.vars.client_ip}": "192.0.2.7/32", "{http.vars.n}": "42"} {
+		h := &Handler{Dimensions: []Dimension{{Name: "d", Identity: tmpl}}, idSources: []idSource{newIDSource(tmpl)},
+			IPv4Prefix: 32, IPv6Prefix: 64}
+		if got := h.identity(r, repl, 0); got != want {
+			t.Errorf("template %q: identity %q, want %q", tmpl, got, want)
 		}
 	}
 }
@@ -132,7 +164,7 @@ func TestInputsResolveOnce(t *testing.T) {
 		{Name: "penalty", Limits: []Limit{{Dimension: "user", Capacity: 100000, RefillRate: 1, Unit: UnitTokens}}},
 	}, "", 1, false)
 	h := &Handler{Dimensions: dims, Estimate: &Estimate{}, keyer: bucket.NewKeyer("rl:", ""),
-		IPv4Prefix: 32, IPv6Prefix: 64, idKeys: []string{"http.request.header.X-User"}}
+		IPv4Prefix: 32, IPv6Prefix: 64, idSources: []idSource{newIDSource(dims[0].Identity)}}
 	if err := h.Estimate.provision(); err != nil {
 		t.Fatal(err)
 	}
