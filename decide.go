@@ -51,29 +51,40 @@ func (h *Handler) build(x *exchange, w http.ResponseWriter, r *http.Request) {
 // (before the body is read, so a client retrying in a loop costs no
 // parsing); the tokens cost (an invalid body or cost); a tokens limit the
 // deny cache knows to deny; Redis, under the demotion rule when there is
-// one; on_redis_error when Redis fails. It never writes the response.
-func (h *Handler) decide(x *exchange) verdict {
+// one; on_redis_error when Redis fails, into v. It never writes the
+// response.
+//
+// v is the caller's and is written in place, not returned, so that the
+// frames of a cached denial stay small: Caddy's own frames take most of
+// the 8 KiB stack a connection's goroutine starts with (see denyHeaders).
+func (h *Handler) decide(x *exchange, v *verdict) {
 	t, req := x.tier, x.req
 	if len(req.takes) == 0 {
-		return verdict{outcome: outcomeSkipped, tier: t}
+		*v = verdict{outcome: outcomeSkipped, tier: t}
+		return
 	}
-	if h.denials != nil {
-		if v, ok := h.cachedDenial(t, req, false); ok {
-			return v
-		}
+	if h.denials != nil && h.cachedDenial(v, t, req, false) {
+		return
 	}
 	if err := h.price(&x.inputs, req); err != nil {
-		return invalidVerdict(t, err)
+		*v = invalidVerdict(t, err)
+		return
 	}
-	if h.denials != nil && req.hasTokens() {
-		if v, ok := h.cachedDenial(t, req, true); ok {
-			return v
-		}
+	if h.denials != nil && req.hasTokens() && h.cachedDenial(v, t, req, true) {
+		return
 	}
+	h.decideRedis(x, v)
+}
+
+// decideRedis decides the request in Redis, under the demotion rule when
+// there is one, or by on_redis_error when Redis fails, into v.
+func (h *Handler) decideRedis(x *exchange, v *verdict) {
+	t, req := x.tier, x.req
 	if h.demote != nil && t != h.demote.penalty {
 		if id := x.identity(h, h.demote.dim); id != "" {
 			if store, ok := h.conn.store.(bucket.Redis); ok {
-				return h.decideDemote(x, store, id)
+				*v = h.decideDemote(x, store, id)
+				return
 			}
 		}
 	}
@@ -85,7 +96,8 @@ func (h *Handler) decide(x *exchange) verdict {
 		h.unwait() // not held after all
 	}
 	if err != nil {
-		return h.decideDegraded(x, err, req)
+		*v = h.decideDegraded(x, err, req)
+		return
 	}
 	if held && d.Reason == bucket.RateLimited { // offered a reservation: see retryAfterWait
 		d = h.retryAfterWait(req, d)
@@ -98,7 +110,7 @@ func (h *Handler) decide(x *exchange) verdict {
 			}
 		}
 	}
-	return decidedVerdict(t, req, d, false)
+	*v = decidedVerdict(t, req, d, false)
 }
 
 // decidedVerdict is the verdict of a decision d on req's buckets.
@@ -120,10 +132,10 @@ func invalidVerdict(t *tier, err error) verdict {
 	return verdict{outcome: o, tier: t, err: err}
 }
 
-// cachedDenial is the deny cache's verdict: when any of req's buckets of
-// the unit asked for (tokens or requests) is known to deny its cost, a
-// denial that speaks of those buckets.
-func (h *Handler) cachedDenial(t *tier, req *request, tokens bool) (verdict, bool) {
+// cachedDenial sets v to the deny cache's verdict and reports true when any
+// of req's buckets of the unit asked for (tokens or requests) is known to
+// deny its cost: a denial that speaks of those buckets.
+func (h *Handler) cachedDenial(v *verdict, t *tier, req *request, tokens bool) bool {
 	var found [4]cachedBucket // room on the stack for the usual few
 	hits := found[:0]
 	for i, k := range req.keys {
@@ -135,16 +147,22 @@ func (h *Handler) cachedDenial(t *tier, req *request, tokens bool) (verdict, boo
 		}
 	}
 	if len(hits) == 0 {
-		return verdict{}, false
+		return false
 	}
+	cachedVerdict(v, t, req, hits)
+	return true
+}
+
+// cachedVerdict sets v to the denial of req's buckets that the deny cache
+// knows to deny, hits.
+func cachedVerdict(v *verdict, t *tier, req *request, hits []cachedBucket) {
 	sub, results := newDenial(len(hits))
 	for j, c := range hits {
 		sub.keys, sub.takes, sub.limits = append(sub.keys, req.keys[c.i]), append(sub.takes, req.takes[c.i]), append(sub.limits, req.limits[c.i])
 		results[j] = bucket.Result{Remaining: c.remaining, Reason: bucket.RateLimited, RetryAfterMS: c.waitMS}
 	}
-	v := decidedVerdict(t, sub, bucket.Summarize(results), false)
+	*v = decidedVerdict(t, sub, bucket.Summarize(results), false)
 	v.policy = req.limits
-	return v, true
 }
 
 // cachedBucket is a bucket of a request that the deny cache knows to

@@ -295,7 +295,8 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	var x exchange
 	h.build(&x, w, r)
-	v := h.decide(&x)
+	var v verdict
+	h.decide(&x, &v)
 	h.record(&x, &v)
 	return h.respond(&x, &v, next)
 }

@@ -36,10 +36,11 @@ func (h *Handler) addHeaders(hs *headerSet, b []byte, t *tier, policy, limits []
 		return b
 	}
 	if t.policy != "" && t.appliesAll(policy) {
-		hs.add("Ratelimit-Policy", t.policy)
+		b = append(b, t.policy...)
+		hs.cut(hRateLimitPolicy, b)
 	} else {
 		b = appendPolicy(b, policy, h)
-		hs.cut("Ratelimit-Policy", b)
+		hs.cut(hRateLimitPolicy, b)
 	}
 	first := true
 	for i, l := range limits {
@@ -58,17 +59,17 @@ func (h *Handler) addHeaders(hs *headerSet, b []byte, t *tier, policy, limits []
 		b = append(b, ";t="...)
 		b = strconv.AppendInt(b, sfInteger(resetSeconds(r)), 10)
 	}
-	hs.cut("Ratelimit", b)
+	hs.cut(hRateLimit, b)
 
 	if h.OpenAIHeaders {
 		b = appendOpenAIHeaders(hs, b, limits, d)
 	}
 	b = strconv.AppendInt(b, limits[i].spec.Capacity, 10)
-	hs.cut("X-Ratelimit-Limit", b)
+	hs.cut(hXRateLimitLimit, b)
 	b = strconv.AppendInt(b, max(0, d.Buckets[i].Remaining), 10)
-	hs.cut("X-Ratelimit-Remaining", b)
+	hs.cut(hXRateLimitRemaining, b)
 	b = strconv.AppendInt(b, resetSeconds(&d.Buckets[i]), 10)
-	hs.cut("X-Ratelimit-Reset", b)
+	hs.cut(hXRateLimitReset, b)
 	return b
 }
 
@@ -82,9 +83,9 @@ func (h *Handler) writeHeaders(hdr http.Header, t *tier, limits []*limit, d *buc
 
 // openAINames are the headers of openai_headers, by unit (requests,
 // tokens): limit, remaining, reset.
-var openAINames = [2][3]string{
-	{"X-Ratelimit-Limit-Requests", "X-Ratelimit-Remaining-Requests", "X-Ratelimit-Reset-Requests"},
-	{"X-Ratelimit-Limit-Tokens", "X-Ratelimit-Remaining-Tokens", "X-Ratelimit-Reset-Tokens"},
+var openAINames = [2][3]headerName{
+	{hXRateLimitLimitRequests, hXRateLimitRemainingRequests, hXRateLimitResetRequests},
+	{hXRateLimitLimitTokens, hXRateLimitRemainingTokens, hXRateLimitResetTokens},
 }
 
 // appendOpenAIHeaders adds x-ratelimit-{limit,remaining,reset}-{requests,
@@ -106,7 +107,8 @@ func appendOpenAIHeaders(hs *headerSet, b []byte, limits []*limit, d *bucket.Dec
 		hs.cut(openAINames[u][0], b)
 		b = strconv.AppendInt(b, max(0, r.Remaining), 10)
 		hs.cut(openAINames[u][1], b)
-		hs.add(openAINames[u][2], (time.Duration(reset) * time.Millisecond).String())
+		b = append(b, (time.Duration(reset) * time.Millisecond).String()...)
+		hs.cut(openAINames[u][2], b)
 	}
 	return b
 }
@@ -171,42 +173,77 @@ func (t *tier) appliesAll(limits []*limit) bool {
 	return true
 }
 
-// maxHeaders bounds the headers of one headerSet: the five rate-limit
-// headers, the seven of openai_headers and the five of a denial.
-const maxHeaders = 17
+// headerName is a header that a headerSet sets: an index in headerNames.
+type headerName uint8
+
+// The headers of the answers, each set at most once per answer.
+const (
+	hRateLimitPolicy headerName = iota
+	hRateLimit
+	hXRateLimitLimit
+	hXRateLimitRemaining
+	hXRateLimitReset
+	hXRateLimitLimitRequests
+	hXRateLimitRemainingRequests
+	hXRateLimitResetRequests
+	hXRateLimitLimitTokens
+	hXRateLimitRemainingTokens
+	hXRateLimitResetTokens
+	hXShouldRetry
+	hCacheControl
+	hRetryAfter
+	hRetryAfterMs
+	hContentType
+	hContentLength
+	maxHeaders // bounds the headers of one headerSet
+)
+
+// headerNames are the headers' names, in canonical form (textproto).
+var headerNames = [maxHeaders]string{
+	hRateLimitPolicy:             "Ratelimit-Policy",
+	hRateLimit:                   "Ratelimit",
+	hXRateLimitLimit:             "X-Ratelimit-Limit",
+	hXRateLimitRemaining:         "X-Ratelimit-Remaining",
+	hXRateLimitReset:             "X-Ratelimit-Reset",
+	hXRateLimitLimitRequests:     "X-Ratelimit-Limit-Requests",
+	hXRateLimitRemainingRequests: "X-Ratelimit-Remaining-Requests",
+	hXRateLimitResetRequests:     "X-Ratelimit-Reset-Requests",
+	hXRateLimitLimitTokens:       "X-Ratelimit-Limit-Tokens",
+	hXRateLimitRemainingTokens:   "X-Ratelimit-Remaining-Tokens",
+	hXRateLimitResetTokens:       "X-Ratelimit-Reset-Tokens",
+	hXShouldRetry:                "X-Should-Retry",
+	hCacheControl:                "Cache-Control",
+	hRetryAfter:                  "Retry-After",
+	hRetryAfterMs:                "Retry-After-Ms",
+	hContentType:                 "Content-Type",
+	hContentLength:               "Content-Length",
+}
 
 // headerBuf is the size of the stack buffer for a headerSet's text: the
-// numbers and lists of a few buckets. More text moves it to the heap.
+// numbers, lists and fixed values of the headers of a few buckets. More
+// text moves it to the heap.
 const headerBuf = 256
 
 // headerSet collects a response's header values so that two allocations
-// set them all. Values built in a buffer (numbers, lists) become one
-// string, sliced; values that are strings already are used as they are.
+// set them all: every value is appended to one buffer (numbers and lists
+// built there, fixed strings copied), which becomes one string, sliced.
 // Every header's []string is a sub-slice of one backing array with length
 // and capacity 1, so that an append to one header (Header.Add) copies
 // instead of writing into the next. The array is this response's own:
 // Caddy's header replace writes into value slices in place, so a slice
 // shared between responses would carry one response's edit into the next.
 //
-// The buffer is the caller's, passed in, so that it can live on the stack.
+// The buffer is the caller's, passed in, so that it can live on the stack;
+// the set is small for the same reason (see denyHeaders).
 type headerSet struct {
-	n      int
-	last   int // the buffer's length at the last cut
-	names  [maxHeaders]string
-	values [maxHeaders]string // given whole; "" for a value in the buffer
-	ends   [maxHeaders]int    // where each value ends in the buffer
+	n     int
+	names [maxHeaders]headerName
+	ends  [maxHeaders]uint32 // where each value ends in the buffer
 }
 
 // cut adds header name with the bytes appended to buf since the last cut.
-func (s *headerSet) cut(name string, buf []byte) {
-	s.last = len(buf)
-	s.names[s.n], s.ends[s.n] = name, s.last
-	s.n++
-}
-
-// add adds header name with value.
-func (s *headerSet) add(name, value string) {
-	s.names[s.n], s.values[s.n], s.ends[s.n] = name, value, s.last
+func (s *headerSet) cut(name headerName, buf []byte) {
+	s.names[s.n], s.ends[s.n] = name, uint32(len(buf))
 	s.n++
 }
 
@@ -214,13 +251,11 @@ func (s *headerSet) add(name, value string) {
 func (s *headerSet) setIn(hdr http.Header, buf []byte) {
 	all := string(buf)
 	vals := make([]string, s.n)
-	start := 0
+	start := uint32(0)
 	for i := range s.n {
-		if vals[i] = s.values[i]; vals[i] == "" {
-			vals[i] = all[start:s.ends[i]]
-		}
+		vals[i] = all[start:s.ends[i]]
 		start = s.ends[i]
-		hdr[s.names[i]] = vals[i : i+1 : i+1]
+		hdr[headerNames[s.names[i]]] = vals[i : i+1 : i+1]
 	}
 }
 
@@ -299,37 +334,53 @@ func shadowDenied(limits []*limit, d *bucket.Decision) string {
 	return b.String()
 }
 
-// deny answers a denied request: 429 with Retry-After, retry-after-ms and a
-// JSON body in the error_format, or a Caddy error for handle_errors when
-// on_deny is "error". A cost that can never fit carries x-should-retry:
-// false, which the OpenAI and Anthropic SDKs obey instead of retrying
-// twice. It sets the headers in hs (with their text in b) with its own.
-func (h *Handler) deny(w http.ResponseWriter, t *tier, req *request, d *bucket.Decision, hs *headerSet, b []byte) error {
-	hs.add("Cache-Control", "no-store")
+// denyHeaders sets the headers of a denied request: the rate-limit headers
+// of a decision made by Redis or the deny cache (not of one made by
+// on_redis_error), Retry-After and retry-after-ms, Cache-Control: no-store,
+// and for a body (nil when on_deny is "error") its Content-Type and
+// Content-Length. A cost that can never fit carries x-should-retry: false,
+// which the OpenAI and Anthropic SDKs obey instead of retrying twice.
+//
+// The caller writes the answer once this frame, which holds the headers'
+// text, has returned. Caddy's frames take about 5 KiB of the 8 KiB stack a
+// connection's goroutine starts with, and a deeper request makes the
+// runtime copy the stack to a larger one (again after each GC shrinks it):
+// on a cached 429 the handler's frames are kept within what is left.
+func (h *Handler) denyHeaders(w http.ResponseWriter, v *verdict, body []byte) {
+	var hs headerSet
+	var arr [headerBuf]byte
+	b := arr[:0]
+	if !v.local {
+		b = h.addHeaders(&hs, b, v.tier, v.policy, v.req.limits, &v.d)
+	}
+	d := &v.d
+	b = append(b, "no-store"...)
+	hs.cut(hCacheControl, b)
 	if d.Reason == bucket.RateLimited {
 		b = strconv.AppendInt(b, d.RetryAfterSeconds(), 10)
-		hs.cut("Retry-After", b)
+		hs.cut(hRetryAfter, b)
 		b = strconv.AppendInt(b, d.RetryAfterMS, 10)
-		hs.cut("Retry-After-Ms", b)
+		hs.cut(hRetryAfterMs, b)
 	} else {
-		hs.add("X-Should-Retry", "false")
+		b = append(b, "false"...)
+		hs.cut(hXShouldRetry, b)
 	}
-	if h.OnDeny == DenyError {
-		hs.setIn(w.Header(), b)
-		return caddyhttp.Error(http.StatusTooManyRequests, errDenied)
+	if body != nil {
+		b = append(b, "application/json"...)
+		hs.cut(hContentType, b)
+		b = strconv.AppendInt(b, int64(len(body)), 10)
+		hs.cut(hContentLength, b)
 	}
-	var body []byte
-	if h.ErrorFormat == FormatOpenAI || h.ErrorFormat == FormatAnthropic {
-		e := denialError(t, req, d)
-		body = appendErrorBody(make([]byte, 0, 256), h.ErrorFormat, &e)
-	} else {
-		body = denyBody(t, req, d)
-	}
-	hs.add("Content-Type", "application/json")
-	b = strconv.AppendInt(b, int64(len(body)), 10)
-	hs.cut("Content-Length", b)
 	hs.setIn(w.Header(), b)
-	return writeBody(w, http.StatusTooManyRequests, body)
+}
+
+// denialBody returns the JSON body of a denial in the error_format.
+func (h *Handler) denialBody(v *verdict) []byte {
+	if h.ErrorFormat == FormatOpenAI || h.ErrorFormat == FormatAnthropic {
+		e := denialError(v.tier, v.req, &v.d)
+		return appendErrorBody(make([]byte, 0, 256), h.ErrorFormat, &e)
+	}
+	return denyBody(v.tier, v.req, &v.d)
 }
 
 // denyBody returns the body of a denial in the json format.
@@ -445,15 +496,13 @@ func (h *Handler) respond(x *exchange, v *verdict, next caddyhttp.Handler) error
 		return h.serveNext(x, v, next)
 	case v.local && v.d.Allowed:
 		return h.serveNext(x, v, next)
-	case v.local:
-		var hs headerSet
-		var arr [64]byte
-		return h.deny(w, v.tier, v.req, &v.d, &hs, arr[:0])
+	case !v.d.Allowed && h.OnDeny == DenyError:
+		h.denyHeaders(w, v, nil)
+		return caddyhttp.Error(http.StatusTooManyRequests, errDenied)
 	case !v.d.Allowed:
-		var hs headerSet
-		var arr [headerBuf]byte
-		b := h.addHeaders(&hs, arr[:0], v.tier, v.policy, v.req.limits, &v.d)
-		return h.deny(w, v.tier, v.req, &v.d, &hs, b)
+		body := h.denialBody(v)
+		h.denyHeaders(w, v, body)
+		return writeBody(w, http.StatusTooManyRequests, body)
 	}
 	h.writeHeaders(w.Header(), v.tier, v.req.limits, &v.d)
 	if v.d.WaitMS > 0 && !h.await(x, v) {
@@ -477,10 +526,11 @@ func (h *Handler) unavailable(w http.ResponseWriter) error {
 // writeJSON answers with status and a JSON body.
 func writeJSON(w http.ResponseWriter, status int, body []byte) error {
 	var hs headerSet
-	var arr [20]byte
-	hs.add("Content-Type", "application/json")
-	b := strconv.AppendInt(arr[:0], int64(len(body)), 10)
-	hs.cut("Content-Length", b)
+	var arr [40]byte
+	b := append(arr[:0], "application/json"...)
+	hs.cut(hContentType, b)
+	b = strconv.AppendInt(b, int64(len(body)), 10)
+	hs.cut(hContentLength, b)
 	hs.setIn(w.Header(), b)
 	return writeBody(w, status, body)
 }

@@ -32,11 +32,8 @@ func TestHeaderValuesOwnedPerResponse(t *testing.T) {
 			return w.Header()
 		}
 		d := bucket.Summarize([]bucket.Result{{Reason: bucket.RateLimited, RetryAfterMS: 1500}, {Remaining: 50, FullMS: 1000}})
-		var hs headerSet
-		var arr [headerBuf]byte
-		if err := h.deny(w, tr, req, &d, &hs, h.addHeaders(&hs, arr[:0], tr, limits, limits, &d)); err != nil {
-			t.Fatal(err)
-		}
+		v := verdict{tier: tr, req: req, policy: limits, d: d, decided: true}
+		h.denyHeaders(w, &v, h.denialBody(&v))
 		return w.Header()
 	}
 	for _, allowed := range []bool{true, false} {
@@ -84,9 +81,8 @@ func denyAnswer(t *testing.T, h *Handler, tr *tier, limits []*limit, costs []int
 		req.takes = append(req.takes, bucket.Take{Spec: l.spec, Cost: costs[i]})
 	}
 	w := httptest.NewRecorder()
-	var hs headerSet
-	var arr [headerBuf]byte
-	if err := h.deny(w, tr, req, d, &hs, h.addHeaders(&hs, arr[:0], tr, limits, limits, d)); err != nil {
+	v := verdict{tier: tr, req: req, policy: limits, d: *d, decided: true}
+	if err := h.respond(&exchange{inputs: inputs{w: w}}, &v, nil); err != nil {
 		t.Fatal(err)
 	}
 	return w
@@ -222,8 +218,8 @@ func TestDenialItemsSameFromRedisAndCache(t *testing.T) {
 	// The cache keeps a denial 1 ms short of the wait Redis gave: a wait
 	// of 2501 ms is answered now as 2500.
 	cache.Remember("ku", 1, now, 2501, 0)
-	v, ok := h.cachedDenial(tr, req, false)
-	if !ok {
+	var v verdict
+	if !h.cachedDenial(&v, tr, req, false) {
 		t.Fatal("the deny cache does not answer")
 	}
 	w := answer(v)
