@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -374,8 +375,10 @@ func bfDelayedReply(t *testing.T, topo *bfTopology) {
 }
 
 // bfConcurrentFaults: 50 clients send 20 requests each while the proxy
-// loses the reply to a batch, or holds one past the timeout, every few
-// milliseconds. Every request is allowed by Redis or decided by
+// loses the reply to a batch, or holds one past the timeout, in turn: each
+// fault is armed once Redis has allowed a request after the last one met
+// its batch, so that faults and answered batches alternate however fast
+// the machine runs. Every request is allowed by Redis or decided by
 // on_redis_error; afterwards the charges are exactly the scripts Redis
 // ran, never more than one per request.
 func bfConcurrentFaults(t *testing.T, topo *bfTopology) {
@@ -389,18 +392,32 @@ func bfConcurrentFaults(t *testing.T, topo *bfTopology) {
 	lost, delayed := topo.proxy.Lost(), topo.proxy.Delayed()
 
 	stop, chaosDone := make(chan struct{}), make(chan struct{})
+	var allowed atomic.Int64 // requests allowed by Redis so far
+	// await polls until cond holds; false when the load is over first.
+	await := func(cond func() bool) bool {
+		for !cond() {
+			select {
+			case <-stop:
+				return false
+			case <-time.After(time.Millisecond): // polling; nothing is timed by it
+			}
+		}
+		return true
+	}
 	go func() {
 		defer close(chaosDone)
 		for i := 0; ; i++ {
-			select {
-			case <-stop:
+			seen := allowed.Load()
+			if !await(func() bool { return allowed.Load() > seen }) {
 				return
-			case <-time.After(10 * time.Millisecond): // the fault's pace
 			}
 			if i%2 == 0 {
 				topo.proxy.LoseReplyTo("evalsha")
 			} else {
 				topo.proxy.DelayReplyTo("evalsha", 3*timeout/2)
+			}
+			if !await(func() bool { return !topo.proxy.Armed() }) {
+				return
 			}
 		}
 	}()
@@ -415,6 +432,9 @@ func bfConcurrentFaults(t *testing.T, topo *bfTopology) {
 			for i := 0; i < requests; i++ {
 				u := "load-" + strconv.Itoa(c) + "-" + strconv.Itoa(i)
 				r := h.serve(u)
+				if r.status == http.StatusOK && r.fromRedis() {
+					allowed.Add(1)
+				}
 				mu.Lock()
 				users, results[u] = append(users, u), r
 				mu.Unlock()
