@@ -321,9 +321,12 @@ type idSource struct {
 // through caddyhttp.GetVar), without going through the replacer's
 // providers: on a cached denial those lookups were a fifth of the
 // handler's time, and each value came back boxed in an interface, an
-// allocation. The one difference: a value set for the same key with
-// Replacer.Set, which the replacer would return first, is not read (no
-// Caddy module sets one). Other keys go through the replacer.
+// allocation. Two differences, neither reachable with Caddy's own
+// modules: a value set for the same key with Replacer.Set, which the
+// replacer would return first, is not read; and the header is read from
+// r, the request this handler is given, where the replacer reads the one
+// the server prepared (they share their header map unless a module passed
+// on a clone). Other keys go through the replacer.
 func (s *idSource) value(r *http.Request, repl *caddy.Replacer) string {
 	switch {
 	case s.header != "":

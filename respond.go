@@ -22,7 +22,7 @@ import (
 // same denial from the deny cache, which knows only the denying buckets,
 // carry the same items. Their integers are RFC 9651 Integers, at most 15
 // digits: see sfInteger. It appends their text to b and returns it;
-// writeHeaders or deny sets them.
+// writeHeaders or denyHeaders sets them.
 //
 // policy lists the buckets for RateLimit-Policy: every applied bucket, also
 // when limits (and d) hold only some of them, as for a cached denial. When
