@@ -279,13 +279,8 @@ func bfLoseBatch(t *testing.T, h *bfHandler) {
 			mu.Unlock()
 		}()
 	}
-	redistest.WaitFor(t, 10*time.Second, "the requests to queue behind the held one", func() error {
-		if q, r := h.b.Pending(); q != len(users) || r != 1 {
-			return fmt.Errorf("%d queued, %d under way", q, r)
-		}
-		return nil
-	})
-	topo.proxy.LoseReplyTo("evalsha") // the next write of a script: the batch
+	waitPending(t, h.b, len(users), 1) // the requests queued behind the held one
+	topo.proxy.LoseReplyTo("evalsha")  // the next write of a script: the batch
 	wg.Wait()
 	if r := <-held; r.status != http.StatusOK || !r.fromRedis() {
 		t.Errorf("held request: %d, degraded %v; want allowed by redis", r.status, r.degraded)

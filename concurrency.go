@@ -70,17 +70,13 @@ func (h *Handler) releaseLeases(req *request) {
 	if req.leases == 0 {
 		return
 	}
-	var keys []string
-	var id string
+	s := slots{h: h} // no limits: no slot was counted in use
 	for i, l := range req.limits {
 		if l.concurrent {
-			keys, id = append(keys, req.keys[i]), req.takes[i].LeaseID
+			s.keys, s.id = append(s.keys, req.keys[i]), req.takes[i].LeaseID
 		}
 	}
-	if _, err := h.conn.lease(context.Background(), keys, id, 0); err != nil {
-		h.logger.Warn("releasing the concurrency slots of a request whose client went away failed; they lapse with their lease",
-			zap.Duration("concurrency_lease", time.Duration(h.ConcurrencyLease)), zap.Error(err))
-	}
+	s.release()
 }
 
 // renewEvery is the time between renewals of a lease: half of it, so that

@@ -73,18 +73,17 @@ func (h *Handler) decide(x *exchange, v *verdict) {
 	if h.denials != nil && req.hasTokens() && h.cachedDenial(v, t, req, true) {
 		return
 	}
-	h.decideRedis(x, v)
+	*v = h.decideRedis(x)
 }
 
 // decideRedis decides the request in Redis, under the demotion rule when
-// there is one, or by on_redis_error when Redis fails, into v.
-func (h *Handler) decideRedis(x *exchange, v *verdict) {
+// there is one, or by on_redis_error when Redis fails.
+func (h *Handler) decideRedis(x *exchange) verdict {
 	t, req := x.tier, x.req
 	if h.demote != nil && t != h.demote.penalty {
 		if id := x.identity(h, h.demote.dim); id != "" {
 			if store, ok := h.conn.store.(bucket.Redis); ok {
-				*v = h.decideDemote(x, store, id)
-				return
+				return h.decideDemote(x, store, id)
 			}
 		}
 	}
@@ -96,8 +95,7 @@ func (h *Handler) decideRedis(x *exchange, v *verdict) {
 		h.unwait() // not held after all
 	}
 	if err != nil {
-		*v = h.decideDegraded(x, err, req)
-		return
+		return h.decideDegraded(x, err, req)
 	}
 	if held && d.Reason == bucket.RateLimited { // offered a reservation: see retryAfterWait
 		d = h.retryAfterWait(req, d)
@@ -110,7 +108,7 @@ func (h *Handler) decideRedis(x *exchange, v *verdict) {
 			}
 		}
 	}
-	*v = decidedVerdict(t, req, d, false)
+	return decidedVerdict(t, req, d, false)
 }
 
 // decidedVerdict is the verdict of a decision d on req's buckets.
@@ -154,7 +152,8 @@ func (h *Handler) cachedDenial(v *verdict, t *tier, req *request, tokens bool) b
 }
 
 // cachedVerdict sets v to the denial of req's buckets that the deny cache
-// knows to deny, hits.
+// knows to deny, hits: apart from cachedDenial, so that the frame under
+// which the deny cache is read stays small.
 func cachedVerdict(v *verdict, t *tier, req *request, hits []cachedBucket) {
 	sub, results := newDenial(len(hits))
 	for j, c := range hits {

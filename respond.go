@@ -342,7 +342,7 @@ func shadowDenied(limits []*limit, d *bucket.Decision) string {
 // which the OpenAI and Anthropic SDKs obey instead of retrying twice.
 //
 // The caller writes the answer once this frame, which holds the headers'
-// text, has returned. Caddy's frames take about 5 KiB of the 8 KiB stack a
+// text, has returned. Caddy's frames take about 5.7 KiB of the 8 KiB stack a
 // connection's goroutine starts with, and a deeper request makes the
 // runtime copy the stack to a larger one (again after each GC shrinks it):
 // on a cached 429 the handler's frames are kept within what is left.
