@@ -63,7 +63,10 @@
 # BENCH_CONNECTIONS (50), BENCH_PIN (1), BENCH_CALLS (100000, scriptstats
 # calls per path), BENCH_SAMPLES (20000, scriptstats round trips per path
 # from one caller), BENCH_INSTR_CALLS (1200), BENCH_BASELINE (none), BENCH_RATELIMIT_VERSION
-# (v0.1.0), BENCH_OUT.
+# (v0.1.0), BENCH_CONFIGS ("a b c d e f g": the http phase's configurations
+# to measure, in turn in this order; every one is still served, and (h)
+# joins them with BENCH_BASELINE; a ratio between configurations not both
+# measured is left out), BENCH_OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -82,10 +85,21 @@ SAMPLES="${BENCH_SAMPLES:-20000}"
 RATELIMIT_VERSION="${BENCH_RATELIMIT_VERSION:-v0.1.0}"
 INSTR_CALLS="${BENCH_INSTR_CALLS:-1200}"
 OUT="${BENCH_OUT:-.run/bench/$(date -u +%Y%m%dT%H%M%SZ)}"
-CONFIGS="a b c d e f g"
+SERVED="a b c d e f g" # every configuration bench/e2e.Caddyfile serves
+CONFIGS="${BENCH_CONFIGS:-$SERVED}"
+for c in $CONFIGS; do
+	case " $SERVED " in
+	*" $c "*) ;;
+	*)
+		echo "BENCH_CONFIGS: unknown configuration '$c' (want some of: $SERVED)" >&2
+		exit 2
+		;;
+	esac
+done
 BASELINE="${BENCH_BASELINE:-}"
 if [ -n "$BASELINE" ]; then
 	BASELINE="$(git rev-parse --verify "$BASELINE^{commit}")"
+	SERVED+=" h"
 	CONFIGS+=" h"
 fi
 if [ "$PIN" = 1 ] && { [ "$(nproc)" -lt 2 ] || ! command -v taskset >/dev/null 2>&1; }; then
@@ -496,7 +510,7 @@ start_caddy() {
 	BENCH_PORT_METRICS_H="$(free_port)"
 	declare -gA port
 	local c
-	for c in $CONFIGS; do
+	for c in $SERVED; do
 		port[$c]="$(free_port)"
 		export "BENCH_PORT_${c^^}=${port[$c]}"
 	done
@@ -511,7 +525,7 @@ start_caddy() {
 		baseline_pid=$started
 	fi
 	wait_port "$BENCH_PORT_UPSTREAM"
-	for c in $CONFIGS; do wait_port "${port[$c]}"; done
+	for c in $SERVED; do wait_port "${port[$c]}"; done
 }
 
 # check_statuses makes sure each configuration answers as it should before
@@ -706,18 +720,33 @@ ratios() {
 	printf '%s\t%s\t%s\n' "$v" "$m" "${each% }"
 }
 
-# ratio_cell prints "v [m]" of ratios $1 $2 $3 for a table cell.
+# measured reports whether config $1 is among those measured (BENCH_CONFIGS).
+measured() {
+	case " $CONFIGS " in
+	*" $1 "*) return 0 ;;
+	esac
+	return 1
+}
+
+# ratio_cell prints "v [m]" of ratios $1 $2 $3 for a table cell, "–" when
+# either config was not measured.
 ratio_cell() {
 	local v m each
+	if ! measured "$1" || ! measured "$2"; then
+		echo "–"
+		return
+	fi
 	IFS=$'\t' read -r v m each < <(ratios "$1" "$2" "$3")
 	echo "$v [$m]"
 }
 
 # ratio reports a row: $1 the label, config $2 over config $3, of metric
 # $5 (default rps), against target $4 (none when empty) in the direction
-# $6 (">=", the default, or "<=").
+# $6 (">=", the default, or "<="); nothing when either config was not
+# measured.
 ratio() {
 	local v m each target="" verdict=""
+	measured "$2" && measured "$3" || return 0
 	IFS=$'\t' read -r v m each < <(ratios "$2" "$3" "${5:-rps}")
 	if [ -n "${4:-}" ]; then
 		if [ "${6:->=}" = "<=" ]; then
