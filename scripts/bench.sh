@@ -87,14 +87,22 @@ INSTR_CALLS="${BENCH_INSTR_CALLS:-1200}"
 OUT="${BENCH_OUT:-.run/bench/$(date -u +%Y%m%dT%H%M%SZ)}"
 SERVED="a b c d e f g" # every configuration bench/e2e.Caddyfile serves
 CONFIGS="${BENCH_CONFIGS:-$SERVED}"
+seen=" "
 for c in $CONFIGS; do
 	case " $SERVED " in
 	*" $c "*) ;;
 	*)
-		echo "BENCH_CONFIGS: unknown configuration '$c' (want some of: $SERVED)" >&2
+		echo "BENCH_CONFIGS: unknown configuration '$c' (want some of: $SERVED; (h) comes with BENCH_BASELINE)" >&2
 		exit 2
 		;;
 	esac
+	case "$seen" in
+	*" $c "*)
+		echo "BENCH_CONFIGS: configuration '$c' named twice" >&2
+		exit 2
+		;;
+	esac
+	seen+="$c "
 done
 BASELINE="${BENCH_BASELINE:-}"
 if [ -n "$BASELINE" ]; then
