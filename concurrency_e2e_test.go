@@ -607,50 +607,34 @@ func (c cceLeaseCalls) released() []string {
 // ---------------------------------------------------------------------------
 // Gateways.
 
-// cceGatewayCaddyfile is the config of each out-of-process gateway: the
-// user dimension from X-User, one concurrency limit, the lease, and the
-// upstream behind it. %[1]d port, %[2]s Redis, %[3]s upstream, %[4]d
-// concurrency limit, %[5]s concurrency_lease, %[6]d gateway number.
-const cceGatewayCaddyfile = `{
-	admin off
-	persist_config off
-	auto_https off
-	skip_install_trust
-	default_bind 127.0.0.1
-	http_port %[1]d
-	grace_period 1s
-}
-:%[1]d {
-	handle /healthz {
-		respond "ok"
-	}
-	handle {
+// cceGatewayRoutes are the routes of each out-of-process gateway (see
+// gwSite): the user dimension from X-User, one concurrency limit, the
+// lease, and the upstream behind it. %[1]s Redis, %[2]s upstream, %[3]d
+// concurrency limit, %[4]s concurrency_lease, %[5]d gateway number.
+const cceGatewayRoutes = `
 		token_bucket {
-			redis redis://%[2]s {
+			redis redis://%[1]s {
 				timeout 10s
 			}
 			dimension user {http.request.header.X-User}
 			tier free {
-				user %[4]d concurrent
+				user %[3]d concurrent
 			}
-			concurrency_lease %[5]s
+			concurrency_lease %[4]s
 			on_redis_error deny
 		}
-		header X-Gateway %[6]d
-		reverse_proxy %[3]s {
+		header X-Gateway %[5]d
+		reverse_proxy %[2]s {
 			flush_interval -1
-		}
-	}
-}
-`
+		}`
 
 // cceStartGateways starts n Caddy processes (the binary of gwCaddy) with
-// cceGatewayCaddyfile on one Redis and returns their base URLs and
+// cceGatewayRoutes on one Redis and returns their base URLs and
 // processes, stopped at the end of the test.
 func cceStartGateways(t *testing.T, bin, redisAddr, upstream string, n, limit int, lease string) ([]string, []*soak.Process) {
 	t.Helper()
 	return gwStartWith(t, bin, "cce-gateway", n, func(port, i int) string {
-		return fmt.Sprintf(cceGatewayCaddyfile, port, redisAddr, upstream, limit, lease, i)
+		return gwSite(port, "admin off", fmt.Sprintf(cceGatewayRoutes, redisAddr, upstream, limit, lease, i))
 	})
 }
 

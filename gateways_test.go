@@ -24,28 +24,43 @@ import (
 	"github.com/token-bucket/token_bucket/internal/soak"
 )
 
-// gwCaddyfile is the config of each out-of-process gateway: two tiers whose
-// user buckets refill 1 token an hour (so, over the test, never a whole
-// token: the count of 200s per bucket is exact), and an org bucket of
-// tokens so large that it never denies, which records the sum of the costs
-// it was charged. A raw header names the tier only to drive the test (see
-// tier_from).
-const gwCaddyfile = `{
-	admin off
+// gwSite is the Caddyfile of an out-of-process gateway on port: the global
+// options every gateway process of the tests has (admin, "admin off" or
+// "admin <host:port>"; nothing saved; every listener on 127.0.0.1; errors
+// only in its log), GET /healthz, and routes, the site's other handlers.
+func gwSite(port int, admin, routes string) string {
+	return fmt.Sprintf(`{
+	%[2]s
 	persist_config off
 	auto_https off
 	skip_install_trust
 	default_bind 127.0.0.1
 	http_port %[1]d
 	grace_period 1s
+	log {
+		level ERROR
+	}
 }
 :%[1]d {
 	handle /healthz {
 		respond "ok"
 	}
 	handle {
+%[3]s
+	}
+}
+`, port, admin, routes)
+}
+
+// gwRoutes are the routes of each gateway of gwStart (see gwSite): two
+// tiers whose user buckets refill 1 token an hour (so, over the test, never
+// a whole token: the count of 200s per bucket is exact), and an org bucket
+// of tokens so large that it never denies, which records the sum of the
+// costs it was charged. A raw header names the tier only to drive the test
+// (see tier_from). %[1]s Redis, %[2]d gateway number.
+const gwRoutes = `
 		token_bucket {
-			redis redis://%[2]s {
+			redis redis://%[1]s {
 				timeout 10s
 			}
 			dimension user {http.request.header.X-User}
@@ -63,12 +78,9 @@ const gwCaddyfile = `{
 			cost {http.request.header.X-Cost}
 			on_redis_error deny
 		}
-		respond "gateway %[3]d"
-	}
-}
-`
+		respond "gateway %[2]d"`
 
-// gwOrgCapacity is the org buckets' capacity in gwCaddyfile.
+// gwOrgCapacity is the org buckets' capacity in gwRoutes.
 const gwOrgCapacity = 1_000_000
 
 // gwCaddy returns a Caddy binary with the plugin, built with xcaddy and
@@ -84,12 +96,14 @@ func gwCaddy(t *testing.T) string {
 	return bin
 }
 
-// gwStart starts n Caddy processes with gwCaddyfile on free ports, sharing
+// gwStart starts n Caddy processes with gwRoutes on free ports, sharing
 // the Redis at redisAddr, and returns their base URLs. They are stopped at
 // the end of the test.
 func gwStart(t *testing.T, bin, redisAddr string, n int) []string {
 	t.Helper()
-	urls, _ := gwStartWith(t, bin, "gateway", n, func(port, i int) string { return fmt.Sprintf(gwCaddyfile, port, redisAddr, i) })
+	urls, _ := gwStartWith(t, bin, "gateway", n, func(port, i int) string {
+		return gwSite(port, "admin off", fmt.Sprintf(gwRoutes, redisAddr, i))
+	})
 	return urls
 }
 

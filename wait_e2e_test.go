@@ -391,45 +391,26 @@ func TestWaitBurstServedInOrderAtRefillRate(t *testing.T) {
 		slices.Min(lateness).Round(time.Microsecond), slices.Max(lateness).Round(time.Microsecond))
 }
 
-// waitE2EGatewayCaddyfile is the config of a gateway process: the admin
-// endpoint (%[5]s: "admin off" or "admin <addr>"), and token_bucket with
-// the tier's limits (%[3]s) and extra subdirectives (%[4]s) in front of
-// the upstream (%[6]s), passing the reservation's wait as X-Wait-Ms.
-const waitE2EGatewayCaddyfile = `{
-	%[5]s
-	persist_config off
-	auto_https off
-	skip_install_trust
-	default_bind 127.0.0.1
-	http_port %[1]d
-	grace_period 1s
-	log {
-		level ERROR
-	}
-}
-:%[1]d {
-	handle /healthz {
-		respond "ok"
-	}
-	handle {
+// waitE2EGatewayRoutes are the routes of a gateway process (see gwSite):
+// token_bucket on the Redis at %[1]s with the tier's limits (%[2]s) and
+// extra subdirectives (%[3]s) in front of the upstream (%[4]s), passing the
+// reservation's wait as X-Wait-Ms.
+const waitE2EGatewayRoutes = `
 		token_bucket {
-			redis redis://%[2]s {
+			redis redis://%[1]s {
 				timeout 10s
 				pool_size 64
 			}
 			dimension user {http.request.header.X-User}
 			tier free {
-				%[3]s
+				%[2]s
 			}
-			%[4]s
+			%[3]s
 			on_redis_error deny
 		}
-		reverse_proxy %[6]s {
+		reverse_proxy %[4]s {
 			header_up X-Wait-Ms {http.token_bucket.wait_ms}
-		}
-	}
-}
-`
+		}`
 
 // waitE2EGateway is a running gateway process.
 type waitE2EGateway struct {
@@ -439,7 +420,7 @@ type waitE2EGateway struct {
 }
 
 // waitE2EStartGateways starts n Caddy processes of bin sharing the Redis
-// at redisAddr, each with waitE2EGatewayCaddyfile, and waits until they
+// at redisAddr, each with waitE2EGatewayRoutes, and waits until they
 // answer. withAdmin gives each an admin endpoint (for /metrics and
 // /debug/pprof).
 func waitE2EStartGateways(t *testing.T, bin, redisAddr, upstream, limits, extra string, n int, withAdmin bool) []*waitE2EGateway {
@@ -469,7 +450,7 @@ func waitE2EStartGateways(t *testing.T, bin, redisAddr, upstream, limits, extra 
 			admin = "admin " + strings.TrimPrefix(g.admin, "http://")
 		}
 		p, err := soak.StartCaddy(bin, dir, fmt.Sprintf("wait-gateway%d", i),
-			fmt.Sprintf(waitE2EGatewayCaddyfile, g.port, redisAddr, limits, extra, admin, upstream))
+			gwSite(g.port, admin, fmt.Sprintf(waitE2EGatewayRoutes, redisAddr, limits, extra, upstream)))
 		if err != nil {
 			t.Fatal(err)
 		}
