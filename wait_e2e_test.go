@@ -1063,21 +1063,6 @@ func waitE2EAdminGet(admin, path string) (string, error) {
 	return string(b), err
 }
 
-// waitE2ERSS is a process's resident set from /proc, 0 when unknown.
-func waitE2ERSS(pid int) int64 {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	if err != nil {
-		return 0
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
-			kb, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
-			return kb << 10
-		}
-	}
-	return 0
-}
-
 // TestWaitMaxWaitingBoundsAFlood: one gateway process, "user 1 20/s"
 // (a token every 50 ms) with on_limit wait 5s, whose reservations alone
 // would hold 100 requests at once, and max_waiting 50. 10,000 clients
@@ -1137,7 +1122,7 @@ func TestWaitMaxWaitingBoundsAFlood(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	idleRSS := waitE2ERSS(gw.proc.Pid())
+	idleRSS := int64(soak.RSS(gw.proc.Pid()))
 
 	f := newWaitE2EFlooder(t, clients)
 	connectStart := time.Now()
@@ -1224,7 +1209,7 @@ func TestWaitMaxWaitingBoundsAFlood(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	answeredRSS := waitE2ERSS(gw.proc.Pid())
+	answeredRSS := int64(soak.RSS(gw.proc.Pid()))
 	v, err := waitE2EMetrics(gw.admin, "caddy_token_bucket_waiting")
 	if err != nil {
 		t.Fatal(err)

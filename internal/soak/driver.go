@@ -588,7 +588,7 @@ func sample(admin string, redisPort, pid int) (Sample, error) {
 		return s, fmt.Errorf("redis-cli CLIENT LIST: %v", err)
 	}
 	s.RedisClients = strings.Count(strings.TrimSpace(string(out)), "\n") // lines less redis-cli's own
-	s.RSS = procRSS(pid)
+	s.RSS = RSS(pid)
 	if fds, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid)); err == nil {
 		s.FDs = len(fds)
 	}
@@ -609,8 +609,9 @@ func memstat(profile, name string) int64 {
 	return 0
 }
 
-// procRSS returns the resident set of pid from /proc, 0 when unknown.
-func procRSS(pid int) uint64 {
+// RSS returns the resident set of process pid in bytes, from VmRSS in
+// /proc/<pid>/status; 0 when unknown.
+func RSS(pid int) uint64 {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
 		return 0
