@@ -247,6 +247,16 @@ func (s *headerSet) cut(name headerName, buf []byte) {
 	s.n++
 }
 
+// cutJSON adds the Content-Type and Content-Length of a JSON body of n
+// bytes, their text appended to buf, and returns buf.
+func (s *headerSet) cutJSON(buf []byte, n int) []byte {
+	buf = append(buf, "application/json"...)
+	s.cut(hContentType, buf)
+	buf = strconv.AppendInt(buf, int64(n), 10)
+	s.cut(hContentLength, buf)
+	return buf
+}
+
 // setIn sets the headers in hdr; buf is the buffer the cuts were made in.
 func (s *headerSet) setIn(hdr http.Header, buf []byte) {
 	all := string(buf)
@@ -366,10 +376,7 @@ func (h *Handler) denyHeaders(w http.ResponseWriter, v *verdict, body []byte) {
 		hs.cut(hXShouldRetry, b)
 	}
 	if body != nil {
-		b = append(b, "application/json"...)
-		hs.cut(hContentType, b)
-		b = strconv.AppendInt(b, int64(len(body)), 10)
-		hs.cut(hContentLength, b)
+		b = hs.cutJSON(b, len(body))
 	}
 	hs.setIn(w.Header(), b)
 }
@@ -527,11 +534,7 @@ func (h *Handler) unavailable(w http.ResponseWriter) error {
 func writeJSON(w http.ResponseWriter, status int, body []byte) error {
 	var hs headerSet
 	var arr [40]byte
-	b := append(arr[:0], "application/json"...)
-	hs.cut(hContentType, b)
-	b = strconv.AppendInt(b, int64(len(body)), 10)
-	hs.cut(hContentLength, b)
-	hs.setIn(w.Header(), b)
+	hs.setIn(w.Header(), hs.cutJSON(arr[:0], len(body)))
 	return writeBody(w, status, body)
 }
 
