@@ -26,7 +26,8 @@
 #          (b) token_bucket allowed, (c) denied from the deny cache,
 #          (d) token_bucket + reverse_proxy, (e) reverse_proxy alone,
 #          (f) mholt/caddy-ratelimit (in memory), (g) the floor: one
-#          go-redis PING per request (bench/pingfloor); with BENCH_BASELINE,
+#          go-redis PING per request (bench/pingfloor), (i) the 429 of (c)
+#          without a limiter (static, Caddy's header and respond); with BENCH_BASELINE,
 #          (h) the same as (b) served by a second Caddy built from an
 #          earlier revision of this repository (bench/baseline.Caddyfile), so
 #          that a change's effect on the gateway is measured in one run; the
@@ -63,7 +64,7 @@
 # BENCH_CONNECTIONS (50), BENCH_PIN (1), BENCH_CALLS (100000, scriptstats
 # calls per path), BENCH_SAMPLES (20000, scriptstats round trips per path
 # from one caller), BENCH_INSTR_CALLS (1200), BENCH_BASELINE (none), BENCH_RATELIMIT_VERSION
-# (v0.1.0), BENCH_CONFIGS ("a b c d e f g": the http phase's configurations
+# (v0.1.0), BENCH_CONFIGS ("a b c d e f g i": the http phase's configurations
 # to measure, in turn in this order; every one is still served, and (h)
 # joins them with BENCH_BASELINE; a ratio between configurations not both
 # measured is left out), BENCH_OUT.
@@ -85,7 +86,7 @@ SAMPLES="${BENCH_SAMPLES:-20000}"
 RATELIMIT_VERSION="${BENCH_RATELIMIT_VERSION:-v0.1.0}"
 INSTR_CALLS="${BENCH_INSTR_CALLS:-1200}"
 OUT="${BENCH_OUT:-.run/bench/$(date -u +%Y%m%dT%H%M%SZ)}"
-SERVED="a b c d e f g" # every configuration bench/e2e.Caddyfile serves
+SERVED="a b c d e f g i" # every configuration bench/e2e.Caddyfile serves
 CONFIGS="${BENCH_CONFIGS:-$SERVED}"
 seen=" "
 for c in $CONFIGS; do
@@ -393,6 +394,20 @@ status() {
 	echo "$line" | cut -d' ' -f2
 }
 
+# field_names prints the names of the header fields (lower case, sorted)
+# of the response on port $1 to the request that status sends.
+field_names() {
+	local line
+	exec 3<>"/dev/tcp/127.0.0.1/$1"
+	printf 'GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-User: bench-user\r\nX-API-Key: bench-key\r\nConnection: close\r\n\r\n' >&3
+	read -r line <&3 # the status line
+	while IFS= read -r line <&3 && [ "${line%$'\r'}" != "" ]; do
+		line="${line%%:*}"
+		echo "${line,,}"
+	done | sort
+	exec 3<&-
+}
+
 wait_port() {
 	for _ in $(seq 200); do
 		(exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return
@@ -537,19 +552,25 @@ start_caddy() {
 }
 
 # check_statuses makes sure each configuration answers as it should before
-# it is measured: 429 for (c) from its second request on, 200 elsewhere.
+# it is measured: 429 for (c) from its second request on and for (i), 200
+# elsewhere; and that (i) sends the header fields that (c) sends.
 check_statuses() {
 	local c want got
 	status "${port[c]}" >/dev/null
 	for c in $CONFIGS; do
 		want=200
-		[ "$c" = c ] && want=429
+		case "$c" in c | i) want=429 ;; esac
 		got="$(status "${port[$c]}")"
 		if [ "$got" != "$want" ]; then
 			echo "config ($c) on port ${port[$c]} answered $got, want $want; see $OUT/caddy-gateway.log" >&2
 			exit 1
 		fi
 	done
+	if [ "$(field_names "${port[c]}")" != "$(field_names "${port[i]}")" ]; then
+		echo "configs (c) and (i) send different header fields; bench/e2e.Caddyfile's (i) must copy (c)'s 429:" >&2
+		diff <(field_names "${port[c]}") <(field_names "${port[i]}") >&2 || true
+		exit 1
+	fi
 }
 
 # field prints a figure of a wrk output: rps, p50 and p99 (ms), requests,
@@ -608,6 +629,7 @@ http_summary() {
 		[e]="reverse_proxy alone"
 		[f]="mholt/caddy-ratelimit, in memory, one zone keyed by the 3 dimensions"
 		[g]="floor: one go-redis PING per request (bench_ping_floor)"
+		[i]="the 429 of (c), static: Caddy's header and respond"
 		[h]="as (b), at ${BASELINE:0:12} (the baseline)"
 	)
 	local c r f warnings=()
@@ -653,9 +675,9 @@ http_summary() {
 		if [ "$errors" -ne 0 ]; then
 			warnings+=("($c): $errors socket errors (connect, read, write or timeout)")
 		fi
-		if [ "$c" = c ] && [ "$non2xx" -ne "$requests" ]; then
+		if [[ "$c" == [ci] ]] && [ "$non2xx" -ne "$requests" ]; then
 			warnings+=("($c): $non2xx of $requests responses were not 2xx; all should have been 429")
-		elif [ "$c" != c ] && [ "$non2xx" -ne 0 ]; then
+		elif [[ "$c" != [ci] ]] && [ "$non2xx" -ne 0 ]; then
 			warnings+=("($c): $non2xx responses were not 2xx")
 		fi
 	done
@@ -670,6 +692,8 @@ http_summary() {
 	ratio "(d)/(e): limiter + proxy / proxy" d e 0.9
 	ratio "(c)/(a): denied from cache / respond" c a 0.9
 	ratio "(c)/(a): gateway CPU per request, denied from cache / respond" c a 1.25 gw "<="
+	ratio "(i)/(a): gateway CPU per request, the static 429 / respond" i a "" gw
+	ratio "(c)/(i): gateway CPU per request, denied from cache / the static 429" c i "" gw
 	ratio "(b)/(g): limiter allowed / the PING floor" b g
 	ratio "(b)/(f): limiter allowed / caddy-ratelimit" b f
 	ratio "(f)/(a): caddy-ratelimit / respond" f a
