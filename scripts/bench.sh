@@ -384,22 +384,28 @@ instr_ratio() {
 
 # --- http: wrk against Caddy ----------------------------------------------
 
-# status prints the HTTP status of GET / on port, as wrk sends it.
-status() {
-	local line
+# send_get opens file descriptor 3 to port $1 and sends GET / on it as
+# wrk sends it, with Connection: close; the caller reads the response and
+# closes 3.
+send_get() {
 	exec 3<>"/dev/tcp/127.0.0.1/$1"
 	printf 'GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-User: bench-user\r\nX-API-Key: bench-key\r\nConnection: close\r\n\r\n' >&3
+}
+
+# status prints the HTTP status of GET / on port $1, as wrk sends it.
+status() {
+	local line
+	send_get "$1"
 	read -r line <&3
 	exec 3<&-
 	echo "$line" | cut -d' ' -f2
 }
 
 # field_names prints the names of the header fields (lower case, sorted)
-# of the response on port $1 to the request that status sends.
+# of the response to GET / on port $1, as wrk sends it.
 field_names() {
 	local line
-	exec 3<>"/dev/tcp/127.0.0.1/$1"
-	printf 'GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-User: bench-user\r\nX-API-Key: bench-key\r\nConnection: close\r\n\r\n' >&3
+	send_get "$1"
 	read -r line <&3 # the status line
 	while IFS= read -r line <&3 && [ "${line%$'\r'}" != "" ]; do
 		line="${line%%:*}"
@@ -555,7 +561,7 @@ start_caddy() {
 # it is measured: 429 for (c) from its second request on and for (i), 200
 # elsewhere; and that (i) sends the header fields that (c) sends.
 check_statuses() {
-	local c want got
+	local c want got names_c names_i
 	status "${port[c]}" >/dev/null
 	for c in $CONFIGS; do
 		want=200
@@ -566,9 +572,11 @@ check_statuses() {
 			exit 1
 		fi
 	done
-	if [ "$(field_names "${port[c]}")" != "$(field_names "${port[i]}")" ]; then
+	names_c="$(field_names "${port[c]}")"
+	names_i="$(field_names "${port[i]}")"
+	if [ "$names_c" != "$names_i" ]; then
 		echo "configs (c) and (i) send different header fields; bench/e2e.Caddyfile's (i) must copy (c)'s 429:" >&2
-		diff <(field_names "${port[c]}") <(field_names "${port[i]}") >&2 || true
+		diff <(echo "$names_c") <(echo "$names_i") >&2 || true
 		exit 1
 	fi
 }
