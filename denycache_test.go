@@ -87,3 +87,74 @@ func TestDenyCacheOff(t *testing.T) {
 		t.Fatalf("20 denials with deny_cache off: %d script calls, want 20", n)
 	}
 }
+
+// TestDenyCacheTierChange: keys do not name the tier, so one identity's
+// bucket is decided under another tier's limits once its tier changes
+// (forward_auth or a JWT naming a new plan, without a reload). A denial
+// cached under the old tier's limits must not answer for the new one: an
+// account upgraded from 1 a day to 1000 a day is served at once, not
+// refused for the rest of the day, and a client whose bucket the free tier
+// emptied is decided by Redis under its own tier's faster refill. Nor may
+// it answer for the old tier afterwards: the new tier's decision may have
+// refilled the bucket (the second case, where the free tier is then
+// allowed), so the old tier's next request goes to Redis too, and only
+// Redis's next denial is cached again.
+func TestDenyCacheTierChange(t *testing.T) {
+	for _, tc := range []struct {
+		name, free, pro string
+		proRateLimit    string
+		freeAgain       []int // the statuses of the free tier's requests after pro's, all decided by Redis
+	}{
+		{"quota", "user 1 per day", "user 1000 per day", `"user-per-day";r=998;t=`, []int{429}},
+		// A token back every microsecond: any time since the free tier's
+		// charge has refilled one, and more.
+		{"bucket", "user 1 1/1h", "user 1000 1000000/s", `"user";r=`, []int{200, 429}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := startGateway(t, `
+	token_bucket {
+		redis redis://REDIS_ADDR {
+			timeout 30s
+		}
+		dimension user {http.request.header.X-User}
+		tier_from {http.request.header.X-Plan}
+		default_tier free
+		tier free {
+			`+tc.free+`
+		}
+		tier pro {
+			`+tc.pro+`
+		}
+	}
+	respond "ok"`)
+			calls := func() int64 { return redistest.Calls(t, g.rdb, "evalsha") }
+			if r := g.get("X-User", "alice"); r.status != http.StatusOK {
+				t.Fatalf("free, first: status %d", r.status)
+			}
+			if r := g.get("X-User", "alice"); r.status != http.StatusTooManyRequests {
+				t.Fatalf("free, second: status %d, want 429", r.status)
+			}
+			g.rdb.ConfigResetStat(context.Background())
+			if r := g.get("X-User", "alice"); r.status != http.StatusTooManyRequests || calls() != 0 {
+				t.Fatalf("free, third: status %d after %d script calls, want 429 from the deny cache", r.status, calls())
+			}
+			r := g.get("X-User", "alice", "X-Plan", "pro")
+			if r.status != http.StatusOK || calls() != 1 {
+				t.Fatalf("pro: status %d after %d script calls (%q), want 200 decided by Redis", r.status, calls(), r.body)
+			}
+			if got := r.header.Get("RateLimit"); !strings.HasPrefix(got, tc.proRateLimit) {
+				t.Errorf("pro: RateLimit %q, want it to start with %q", got, tc.proRateLimit)
+			}
+			n := calls()
+			for i, want := range tc.freeAgain {
+				n++
+				if r := g.get("X-User", "alice"); r.status != want || calls() != n {
+					t.Fatalf("free after pro, request %d: status %d after %d script calls, want %d decided by Redis (call %d)", i, r.status, calls(), want, n)
+				}
+			}
+			if r := g.get("X-User", "alice"); r.status != http.StatusTooManyRequests || calls() != n {
+				t.Fatalf("free, last: status %d after %d script calls, want 429 from the deny cache (%d calls)", r.status, calls(), n)
+			}
+		})
+	}
+}

@@ -189,7 +189,9 @@ type Handler struct {
 	// retrying in a tight loop costs Redis one call per Retry-After window.
 	// It never allows a request and never denies one Redis would allow,
 	// except that tokens given back by a refund are seen only when the
-	// cached denial lapses. See bucket.DenyCache.
+	// cached denial lapses. A denial holds only under the limit it was made
+	// under, so an identity whose tier changed goes to Redis again (keys do
+	// not name the tier). See bucket.DenyCache.
 	DenyCache int `json:"deny_cache,omitempty"`
 
 	// OnDeny says how a denial is answered: "respond" (the default) writes

@@ -217,7 +217,7 @@ func TestDenialItemsSameFromRedisAndCache(t *testing.T) {
 	fromRedis := answer(decidedVerdict(tr, req, redisDenial, false))
 	// The cache keeps a denial 1 ms short of the wait Redis gave: a wait
 	// of 2501 ms is answered now as 2500.
-	cache.Remember("ku", 1, now, 2501, 0)
+	cache.Remember("ku", limits[0].spec, 1, now, 2501, 0)
 	var v verdict
 	if !h.cachedDenial(&v, tr, req, false) {
 		t.Fatal("the deny cache does not answer")

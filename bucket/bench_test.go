@@ -121,7 +121,7 @@ func BenchmarkDenyCacheCheck(b *testing.B) {
 	for i := range hits {
 		hits[i] = k.Key("api_key", "denied-"+strconv.Itoa(i), "")
 		misses[i] = k.Key("api_key", "allowed-"+strconv.Itoa(i), "")
-		c.Remember(hits[i], 1, start, int64(time.Hour/time.Millisecond), 0)
+		c.Remember(hits[i], perfTight, 1, start, int64(time.Hour/time.Millisecond), 0)
 	}
 	for _, tc := range []struct {
 		name string
@@ -132,7 +132,7 @@ func BenchmarkDenyCacheCheck(b *testing.B) {
 			b.ReportAllocs()
 			i := 0
 			for b.Loop() {
-				if _, _, ok := c.Check(tc.keys[i%remembered], 1); ok != tc.hit {
+				if _, _, ok := c.Check(tc.keys[i%remembered], perfTight, 1); ok != tc.hit {
 					b.Fatalf("Check = %v, want %v", ok, tc.hit)
 				}
 				i++
@@ -144,7 +144,7 @@ func BenchmarkDenyCacheCheck(b *testing.B) {
 			b.RunParallel(func(pb *testing.PB) {
 				i := 0
 				for pb.Next() {
-					if _, _, ok := c.Check(tc.keys[i%remembered], 1); ok != tc.hit {
+					if _, _, ok := c.Check(tc.keys[i%remembered], perfTight, 1); ok != tc.hit {
 						b.Errorf("Check = %v, want %v", ok, tc.hit)
 						return
 					}

@@ -11,17 +11,24 @@ import (
 // DefaultDenyCacheSize is the default bound of a DenyCache, in buckets.
 const DefaultDenyCacheSize = 100_000
 
-// DenyCache remembers, per bucket key, a cost that Redis denied and until
-// when that bucket cannot serve it, so that a client retrying in a tight
-// loop is answered in-process, with a shrinking Retry-After, and costs Redis
-// one call per bucket per Retry-After window instead of one per request.
+// DenyCache remembers, per bucket key, a cost that Redis denied under a
+// Spec and until when that bucket cannot serve it, so that a client
+// retrying in a tight loop is answered in-process, with a shrinking
+// Retry-After, and costs Redis one call per bucket per Retry-After window
+// instead of one per request.
 //
 // It never allows: a miss goes to Redis. It never denies what Redis would
 // allow, because a bucket's tokens only grow with time except by charges,
-// and a charge only lowers them further. The one exception is a refund
-// (settlement of LLM usage below its estimate, or a Cluster refund): tokens
-// given back while a denial is cached are seen only when it lapses, at most
-// the Retry-After that Redis gave.
+// and a charge only lowers them further. That holds only under the Spec
+// the denial was made under: the same key is decided under other limits
+// when an identity's tier changes (keys do not name the tier), and a
+// bucket with a larger capacity or a faster refill may serve the cost at
+// once. So a denial answers only for its own Spec, and a Check under
+// another Spec drops it: that request goes to Redis, which refills the
+// bucket at the other rate. The one exception is a refund (settlement of
+// LLM usage below its estimate, or a Cluster refund): tokens given back
+// while a denial is cached are seen only when it lapses, at most the
+// Retry-After that Redis gave.
 //
 // The deadline is measured from before the Redis call and shortened by one
 // millisecond (Redis rounds waits up to whole milliseconds), so it never
@@ -29,9 +36,12 @@ const DefaultDenyCacheSize = 100_000
 // never enter a Redis decision. It is safe for concurrent use.
 type DenyCache struct {
 	seed   maphash.Seed
-	shards [16]denyShard
+	shards []denyShard // maxDenyShards, or size when smaller
 	now    func() time.Time
 }
+
+// maxDenyShards is how many locks a DenyCache spreads its buckets over.
+const maxDenyShards = 16
 
 type denyShard struct {
 	mu  sync.Mutex
@@ -39,6 +49,7 @@ type denyShard struct {
 }
 
 type denial struct {
+	spec      Spec
 	cost      int64
 	until     time.Time
 	remaining int64
@@ -54,9 +65,13 @@ func NewDenyCache(size int, now func() time.Time) *DenyCache {
 	if now == nil {
 		now = time.Now
 	}
-	c := &DenyCache{seed: maphash.MakeSeed(), now: now}
-	per := max(1, size/len(c.shards))
+	n := min(size, maxDenyShards)
+	c := &DenyCache{seed: maphash.MakeSeed(), shards: make([]denyShard, n), now: now}
 	for i := range c.shards {
+		per := size / n // the first size % n shards hold one more: size in all
+		if i < size%n {
+			per++
+		}
 		c.shards[i].lru, _ = simplelru.NewLRU[string, denial](per, nil) // errors only for size ≤ 0
 	}
 	return c
@@ -66,13 +81,18 @@ func (c *DenyCache) shard(key string) *denyShard {
 	return &c.shards[maphash.String(c.seed, key)%uint64(len(c.shards))]
 }
 
-// Check reports whether key is known to deny cost now, with the wait in
-// milliseconds (rounded up, ≥ 1) and the whole tokens it held when Redis
-// denied.
-func (c *DenyCache) Check(key string, cost int64) (waitMS, remaining int64, ok bool) {
+// Check reports whether key, decided under spec, is known to deny cost
+// now, with the wait in milliseconds (rounded up, ≥ 1) and the whole tokens
+// it held when Redis denied. A denial remembered under another spec is
+// dropped (see DenyCache).
+func (c *DenyCache) Check(key string, spec Spec, cost int64) (waitMS, remaining int64, ok bool) {
 	s := c.shard(key)
 	s.mu.Lock()
 	d, found := s.lru.Get(key)
+	if found && d.spec != spec {
+		s.lru.Remove(key)
+		found = false
+	}
 	s.mu.Unlock()
 	if !found || d.cost != cost {
 		return 0, 0, false
@@ -84,13 +104,14 @@ func (c *DenyCache) Check(key string, cost int64) (waitMS, remaining int64, ok b
 	return int64((left + time.Millisecond - 1) / time.Millisecond), d.remaining, true
 }
 
-// Remember records that Redis, called at start, denied cost on key with a
-// wait of waitMS milliseconds while the bucket held remaining whole tokens.
-func (c *DenyCache) Remember(key string, cost int64, start time.Time, waitMS, remaining int64) {
+// Remember records that Redis, called at start, denied cost on key under
+// spec with a wait of waitMS milliseconds while the bucket held remaining
+// whole tokens.
+func (c *DenyCache) Remember(key string, spec Spec, cost int64, start time.Time, waitMS, remaining int64) {
 	if waitMS <= 1 {
 		return // lapses before it could serve anyone
 	}
-	d := denial{cost: cost, until: start.Add(time.Duration(waitMS-1) * time.Millisecond), remaining: remaining}
+	d := denial{spec: spec, cost: cost, until: start.Add(time.Duration(waitMS-1) * time.Millisecond), remaining: remaining}
 	s := c.shard(key)
 	s.mu.Lock()
 	s.lru.Add(key, d)
