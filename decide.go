@@ -103,8 +103,15 @@ func (h *Handler) decideRedis(x *exchange) verdict {
 	if h.denials != nil && d.Reason == bucket.RateLimited {
 		for i, b := range d.Buckets {
 			// A slot frees at no known time; a shadow denial denies nothing.
-			if b.Reason == bucket.RateLimited && !b.Shadow && !req.limits[i].concurrent {
-				h.denials.Remember(req.keys[i], req.takes[i].Cost, start, b.RetryAfterMS, b.Remaining)
+			if l := req.limits[i]; b.Reason == bucket.RateLimited && !b.Shadow && !l.concurrent {
+				wait := b.RetryAfterMS
+				if !held && h.maxWaitMS > 0 && l.period == 0 {
+					// Refused a place among max_waiting, this request is told
+					// its full wait; a later one may find a place and be held
+					// (see retryAfterWait).
+					wait -= h.maxWaitMS
+				}
+				h.denials.Remember(req.keys[i], req.takes[i].Spec, req.takes[i].Cost, start, wait, b.Remaining)
 			}
 		}
 	}
@@ -140,7 +147,7 @@ func (h *Handler) cachedDenial(v *verdict, t *tier, req *request, tokens bool) b
 		if l := req.limits[i]; l.tokens != tokens || l.shadow || l.concurrent {
 			continue
 		}
-		if wait, remaining, ok := h.denials.Check(k, req.takes[i].Cost); ok {
+		if wait, remaining, ok := h.denials.Check(k, req.takes[i].Spec, req.takes[i].Cost); ok {
 			hits = append(hits, cachedBucket{i: i, waitMS: wait, remaining: remaining})
 		}
 	}

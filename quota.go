@@ -54,7 +54,8 @@ func (h *Handler) reserve(reqs ...*request) bool {
 // is held for at most max_wait and then served, so that is what
 // Retry-After says (and what the deny cache keeps, which so never denies
 // a request that Redis would hold). A request refused a place is answered
-// as with reject: its full wait.
+// as with reject, its full wait, but the deny cache keeps that less
+// max_wait too (decideRedis): a later request may find a place.
 func (h *Handler) retryAfterWait(req *request, d bucket.Decision) bucket.Decision {
 	for i := range d.Buckets {
 		r, l := &d.Buckets[i], req.limits[i]

@@ -768,7 +768,8 @@ func TestWaitClientLeavesGetsReservationBack(t *testing.T) {
 // serve (about 2 s), finds no place and is denied as on_limit reject
 // denies: 429 at once, no charge, and Retry-After-Ms the time until the
 // bucket has its token (its whole wait: nothing shortens it, as it was
-// offered no reservation).
+// offered no reservation). Once the held request is served, a fourth finds
+// the place free and is held, though the third's wait has not run out.
 func TestWaitBeyondMaxWaitingDeniedAsReject(t *testing.T) {
 	up := startWaitE2EUpstream(t)
 	g := startGateway(t, waitE2ESite(up.addr, "user 1 1/s", "on_limit wait 5s\n\t\tmax_waiting 1"))
@@ -798,8 +799,18 @@ func TestWaitBeyondMaxWaitingDeniedAsReject(t *testing.T) {
 		t.Errorf("the denial wrote the bucket: %+v, then %+v", held, st)
 	}
 	waitE2EWaitAll(t, calls, time.Minute)
-	if n := len(up.seen()); n != 2 {
-		t.Errorf("the upstream saw %d requests, want the 2 allowed", n)
+
+	// The place is free again while the third request's wait still runs: a
+	// fourth is held and served, not denied from the deny cache, which kept
+	// the third's denial less max_wait (here, not at all).
+	if time.Since(before) >= time.Duration(lo)*time.Millisecond {
+		t.Fatalf("request 1 ended %v after the third request, past its wait of %d ms: the fourth would be allowed anyway", time.Since(before), lo)
+	}
+	if r := g.get("X-User", "placed", "X-Req", "fourth"); r.status != http.StatusOK || r.body != "up fourth" {
+		t.Errorf("fourth request, with the place free: %d %q, want 200 from the upstream", r.status, r.body)
+	}
+	if n := len(up.seen()); n != 3 {
+		t.Errorf("the upstream saw %d requests, want the 3 allowed", n)
 	}
 }
 
