@@ -19,16 +19,18 @@ const DefaultDenyCacheSize = 100_000
 //
 // It never allows: a miss goes to Redis. It never denies what Redis would
 // allow, because a bucket's tokens only grow with time except by charges,
-// and a charge only lowers them further. That holds only under the Spec
-// the denial was made under: the same key is decided under other limits
-// when an identity's tier changes (keys do not name the tier), and a
-// bucket with a larger capacity or a faster refill may serve the cost at
-// once. So a denial answers only for its own Spec, and a Check under
-// another Spec drops it: that request goes to Redis, which refills the
-// bucket at the other rate. The one exception is a refund (settlement of
-// LLM usage below its estimate, or a Cluster refund): tokens given back
-// while a denial is cached are seen only when it lapses, at most the
-// Retry-After that Redis gave.
+// and a charge only lowers them further. The one exception is a refund
+// (settlement of LLM usage below its estimate, or a Cluster refund): tokens
+// given back while a denial is cached are seen only when it lapses, at most
+// the Retry-After that Redis gave.
+//
+// That reasoning holds only under the Spec the denial was made under. Keys
+// do not name the tier, so the same key is decided under other limits once
+// an identity's tier changes, and a larger capacity or a faster refill may
+// serve the cost at once. So a denial answers only under its own Spec, and
+// a Check under another Spec drops it: that request goes to Redis, which
+// refills the bucket at the other rate, so the denial no longer holds for
+// the old Spec either.
 //
 // The deadline is measured from before the Redis call and shortened by one
 // millisecond (Redis rounds waits up to whole milliseconds), so it never
