@@ -401,6 +401,44 @@ func TestSettleEndToEnd(t *testing.T) {
 	}
 }
 
+// TestSettleLocalDecisions: with Redis down, on_redis_error local (the
+// default) decides in the gateway's own buckets, and settles there too. A
+// tokens bucket of 1000, refilled at 1 token an hour, and requests
+// estimated at 500: a user whose answers report 21 tokens is charged 21
+// each, so its 24th request still finds 1000 − 23·21 = 517 ≥ 500 and its
+// 25th 496; one whose first answer reports 900 is charged 400 more and
+// has 100 left, so its second is denied. Unsettled, each would keep 500,
+// and the second request of both would be the last allowed.
+func TestSettleLocalDecisions(t *testing.T) {
+	lg := startLLMGateway(t, llmLimiter("user 1000 1/1h tokens", "cost estimate\n\t\t\tsettle"))
+	lg.redis.Stop()
+	for _, tc := range []struct {
+		name, usage string
+		allowed     int // requests allowed in a row, then one denied
+	}{
+		{"refund", "10,11", 24},
+		{"charge", "400,500", 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			lg.t = t
+			for i := 1; i <= tc.allowed+1; i++ {
+				r := lg.post("/v1/chat/completions", chat500, "X-User", "local-"+tc.name, "X-Test-Usage", tc.usage)
+				want := http.StatusOK
+				if i > tc.allowed {
+					want = http.StatusTooManyRequests
+				}
+				if r.status != want {
+					t.Fatalf("request %d: status %d (%s), want %d", i, r.status, r.body, want)
+				}
+				if i == 1 && r.header.Get("X-Estimated-Cost") != "500" {
+					t.Fatalf("estimated at %q, want 500", r.header.Get("X-Estimated-Cost"))
+				}
+				lg.sync()
+			}
+		})
+	}
+}
+
 // longAnswer is an answer long enough for Caddy's encode to compress (its
 // default minimum_length is 512 bytes).
 var longAnswer = strings.Repeat("The gateway settles what the provider reports, not what it guessed. ", 12)

@@ -135,11 +135,12 @@ func (rec *usageRecorder) finish(s *Settle) (used int64, status llm.Status, part
 }
 
 // serveNext calls next for an allowed request: through the usage
-// recorder, settling after the response, when Redis decided the request
-// and it is charged in tokens limits; through the usage chunk filter alone
-// when its body was sent with include_usage added but nothing is settled
-// (on_redis_error decided, or a demoted identity's tier has no tokens
-// limit), so the client still gets the stream it asked for; else directly.
+// recorder, settling after the response, when Redis or the local store of
+// on_redis_error local decided the request and it is charged in tokens
+// limits; through the usage chunk filter alone when its body was sent with
+// include_usage added but nothing is settled (on_redis_error allow, or a
+// demoted identity's tier has no tokens limit), so the client still gets
+// the stream it asked for; else directly.
 // The settlement runs also when next panics (reverse_proxy aborts a
 // response it cannot finish with http.ErrAbortHandler), then the panic
 // goes on.
@@ -151,10 +152,10 @@ func (h *Handler) serveNext(x *exchange, v *verdict, next caddyhttp.Handler) err
 		defer s.release()
 	}
 	switch {
-	case h.Settle != nil && v.decided && !v.local && v.req.hasTokens():
+	case h.Settle != nil && v.decided && v.req.hasTokens():
 		// With settle.header the body is not read for usage.
 		rec := &usageRecorder{ResponseWriter: x.w, read: h.Settle.Header == "", filterUsage: x.est.streamUsage}
-		defer h.settle(x.r, x.repl, v.req, &v.d, rec)
+		defer h.settle(x.r, x.repl, v, rec)
 		return next.ServeHTTP(rec, x.r)
 	case x.est.streamUsage:
 		rec := &usageRecorder{ResponseWriter: x.w, filterUsage: true}
@@ -165,8 +166,10 @@ func (h *Handler) serveNext(x *exchange, v *verdict, next caddyhttp.Handler) err
 }
 
 // settle charges or gives back the difference between the request's
-// estimate and the usage its response reports, after the response.
-func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, req *request, d *bucket.Decision, rec *usageRecorder) {
+// estimate and the usage its response reports, after the response: in
+// Redis, or in the local store for a request that on_redis_error local
+// decided (in the buckets it was charged in, at their local_share).
+func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, v *verdict, rec *usageRecorder) {
 	used, status, partial := rec.finish(h.Settle)
 	if status != llm.Found {
 		countSettlement(status.String())
@@ -176,9 +179,14 @@ func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, req *request, d 
 		}
 		return // no usage to settle with: the estimate stands
 	}
-	keys, adj := req.adjustments(d, used, partial)
+	keys, adj := v.req.adjustments(&v.d, used, partial, v.local)
 	repl.Set("http.token_bucket.tokens_used", used)
 	if len(keys) == 0 {
+		countSettlement(settledOutcome)
+		return
+	}
+	if v.local {
+		h.local.Settle(keys, adj)
 		countSettlement(settledOutcome)
 		return
 	}
@@ -203,8 +211,9 @@ func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, req *request, d 
 // differs, the difference. used ≥ 0, so a bucket is never given back more
 // than it was charged; partial usage (a floor) is never given back at all.
 // A shadow bucket that would have denied was not charged, and is not
-// settled.
-func (req *request) adjustments(d *bucket.Decision, used int64, partial bool) (keys []string, adj []bucket.Adjust) {
+// settled. local gives the local store's specs (local_share), for a
+// request that on_redis_error local decided.
+func (req *request) adjustments(d *bucket.Decision, used int64, partial, local bool) (keys []string, adj []bucket.Adjust) {
 	for i, l := range req.limits {
 		if !l.tokens || d.Buckets[i].Reason != bucket.Allowed {
 			continue
@@ -215,6 +224,9 @@ func (req *request) adjustments(d *bucket.Decision, used int64, partial bool) (k
 		}
 		if delta != 0 {
 			a := bucket.Adjust{Spec: l.spec, Delta: delta}
+			if local {
+				a.Spec = l.local
+			}
 			if w := req.takes[i].Window; w != nil {
 				a.Window = w.ChargedIn(req.decidedAt, d.Buckets[i].FullMS)
 			}

@@ -61,6 +61,37 @@ func (l *Local) Take(_ context.Context, keys []string, takes []Take) (Decision, 
 	return d, nil
 }
 
+// Settle charges or gives back each bucket's delta as Redis.Settle does: a
+// token bucket by SettleState (a bucket it no longer holds settles from
+// full), a calendar quota's used units in the window it was charged in
+// (nothing when it holds another window, or none). Unlike Redis.Settle it
+// keeps no marker: the caller settles a request at most once, in this
+// process.
+func (l *Local) Settle(keys []string, adj []Adjust) {
+	now := l.now().UnixMicro()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for i, k := range keys {
+		a := adj[i]
+		st, ok := l.lru.Get(k)
+		if a.Window != 0 {
+			if ok && st.Last == a.Window {
+				st.Units = max(0, min(st.Units+clampDelta(a), 2*a.Spec.CapacityUnits()))
+				l.lru.Add(k, st)
+			}
+			continue
+		}
+		if !ok {
+			st = a.Spec.Full()
+		}
+		if st, keep := SettleState(now, a.Spec, st, a.Delta); keep {
+			l.lru.Add(k, st)
+		} else {
+			l.lru.Remove(k)
+		}
+	}
+}
+
 // Len returns the number of buckets held.
 func (l *Local) Len() int {
 	l.mu.Lock()

@@ -90,3 +90,61 @@ func TestLocalBounded(t *testing.T) {
 		t.Fatalf("holds %d buckets, want the bound 1000", n)
 	}
 }
+
+// TestLocalSettle: the local store settles as settle.lua does. A token
+// bucket of 100 tokens, one back a second, charged 60: a refund of 40
+// leaves 80 (and the state SettleState computes); a refund past full
+// drops the bucket (full); a charge of 500 from 100 stops at the debt
+// floor of −100; a bucket the store no longer holds settles from full. A
+// daily quota of 100 charged 60 in today's window: a refund of 50 leaves
+// 10 used, a charge of 1000 stops at 200 used (two amounts), and a
+// settlement for another window changes nothing.
+func TestLocalSettle(t *testing.T) {
+	t0 := time.Date(2026, 12, 2, 12, 0, 0, 0, time.UTC)
+	l := NewLocal(100, func() time.Time { return t0 })
+	spec := Spec{Capacity: 100, Scale: 1_000_000, Refill: 1} // 1 token a second
+	take := func(key string, tk Take) {
+		t.Helper()
+		if d, _ := l.Take(context.Background(), []string{key}, []Take{tk}); !d.Allowed {
+			t.Fatalf("%s: %+v denied", key, tk)
+		}
+	}
+	units := func(key string) (int64, bool) {
+		st, ok := l.lru.Peek(key)
+		return st.Units, ok
+	}
+
+	take("b", Take{Spec: spec, Cost: 60})
+	before, _ := l.lru.Peek("b")
+	l.Settle([]string{"b"}, []Adjust{{Spec: spec, Delta: -40}})
+	want, _ := SettleState(t0.UnixMicro(), spec, before, -40)
+	if st, _ := l.lru.Peek("b"); st != want || st.Units != 80*spec.Scale {
+		t.Errorf("refund of 40: %+v, want %+v (80 tokens)", st, want)
+	}
+	l.Settle([]string{"b"}, []Adjust{{Spec: spec, Delta: -30}})
+	if _, ok := units("b"); ok {
+		t.Error("a refund past full kept the bucket")
+	}
+	l.Settle([]string{"b"}, []Adjust{{Spec: spec, Delta: 500}})
+	if u, _ := units("b"); u != -100*spec.Scale {
+		t.Errorf("a charge of 500 on a full bucket: %d units, want the floor %d", u, -100*spec.Scale)
+	}
+
+	windows := WindowsAt(Day, time.UTC, t0)
+	start, _ := windows.At(t0.UnixMicro())
+	quota := Spec{Capacity: 100, Scale: 1}
+	take("q", Take{Spec: quota, Cost: 60, Window: &windows})
+	for _, step := range []struct {
+		adj  Adjust
+		used int64
+	}{
+		{Adjust{Spec: quota, Delta: -50, Window: start}, 10},
+		{Adjust{Spec: quota, Delta: 1000, Window: start}, 200},
+		{Adjust{Spec: quota, Delta: -50, Window: start - 86_400_000_000}, 200}, // yesterday's
+	} {
+		l.Settle([]string{"q"}, []Adjust{step.adj})
+		if st, _ := l.lru.Peek("q"); st.Units != step.used || st.Last != start {
+			t.Errorf("after %+v: %+v, want %d used in the window at %d", step.adj, st, step.used, start)
+		}
+	}
+}
