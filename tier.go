@@ -110,29 +110,32 @@ func compileTiers(dims []Dimension, tiers []Tier, defaultTier string, share floa
 
 // localSpec scales a limit by share (0 < share ≤ 1) for the in-process
 // store, so that N gateways deciding alone while Redis is away admit about
-// what one Redis would: capacity ⌊C·share⌋ (at least 1), refill r·share.
+// what one Redis would: capacity ⌊C·share⌋ (at least 1), refill r·share
+// (exactly, or just below: see bucket.ScaledSpec). Should no rate near
+// r·share be held with that capacity (capacities near 2^53 units), the
+// capacity alone is scaled.
 func localSpec(l Limit, spec bucket.Spec, share float64) bucket.Spec {
 	if share <= 0 || share >= 1 {
 		return spec
 	}
-	rate, err := bucket.RateFromFloat(l.RefillRate * share)
-	if err != nil {
-		return spec
+	c := localCapacity(l.Capacity, share)
+	rate, err := bucket.RateFromFloat(l.RefillRate) // validated
+	if err == nil {
+		if s, err := bucket.ScaledSpec(c, rate, share); err == nil {
+			return s
+		}
 	}
-	s, err := bucket.Limit{Capacity: localCapacity(l.Capacity, share), Rate: rate}.Spec()
-	if err != nil {
-		return spec
-	}
-	return s
+	spec.Capacity = c
+	return spec
 }
 
 // localCapacity is a capacity scaled by local_share: ⌊capacity·share⌋, at
-// least 1.
+// least 1 (see bucket.ScaledCapacity).
 func localCapacity(capacity int64, share float64) int64 {
 	if share <= 0 || share >= 1 {
 		return capacity
 	}
-	return max(1, int64(float64(capacity)*share))
+	return bucket.ScaledCapacity(capacity, share)
 }
 
 // matches reports whether model matches one of the limit's model globs.

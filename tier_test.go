@@ -3,6 +3,7 @@ package tokenbucket
 import (
 	"errors"
 	"io"
+	"math/big"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
@@ -213,5 +214,38 @@ func TestInputsResolveOnce(t *testing.T) {
 	h.record(&exchange{inputs: *in}, &v)
 	if v, _ := in.repl.Get("http.token_bucket.decision"); v != "invalid_cost" {
 		t.Errorf("{http.token_bucket.decision} = %v, want invalid_cost", v)
+	}
+}
+
+// TestLocalShareScalesEveryLimit: local_share scales the capacity and the
+// refill of every token bucket, also where rate × share has no short
+// fraction in binary (the shipped Kubernetes example: 500/1m and 1000/1m
+// with local_share 0.33, 3 replicas). Each local limit holds ⌊C·share⌋
+// tokens refilled at exactly r·share tokens a second.
+func TestLocalShareScalesEveryLimit(t *testing.T) {
+	for _, tc := range []struct {
+		capacity int64
+		rate     float64 // tokens a second
+		share    float64
+		wantCap  int64
+		wantRate *big.Rat
+	}{
+		{500, 500.0 / 60, 0.33, 165, big.NewRat(11, 4)},
+		{1000, 1000.0 / 60, 0.33, 330, big.NewRat(11, 2)},
+		{300, 5, 0.33, 99, big.NewRat(33, 20)},
+		{3000, 50, 1.0 / 3, 1000, big.NewRat(50, 3)},
+		{200000, 200000.0 / 60, 0.2, 40000, big.NewRat(2000, 3)},
+		{20000, 20000.0 / 60, 0.3, 6000, big.NewRat(100, 1)},
+		{100, 1, 0.29, 29, big.NewRat(29, 100)}, // 100 × 0.29 is 28.999999999999996 in binary
+	} {
+		tiers, _ := compileTiers([]Dimension{{Name: "api_key"}}, []Tier{{Name: "pro", Limits: []Limit{
+			{Dimension: "api_key", Capacity: tc.capacity, RefillRate: tc.rate},
+		}}}, "", tc.share, false)
+		l := tiers["pro"].limits[0].local
+		got := new(big.Rat).SetFrac(big.NewInt(l.Refill*1_000_000), big.NewInt(l.Scale))
+		if l.Capacity != tc.wantCap || got.Cmp(tc.wantRate) != 0 {
+			t.Errorf("%d at %v/s × %v: local %d tokens at %s/s, want %d at %s/s",
+				tc.capacity, tc.rate, tc.share, l.Capacity, got.RatString(), tc.wantCap, tc.wantRate.RatString())
+		}
 	}
 }

@@ -174,3 +174,92 @@ func parsePeriod(s string) (*big.Rat, error) {
 	}
 	return big.NewRat(int64(d), int64(time.Second)), nil
 }
+
+// ScaledSpec returns the Spec of capacity tokens refilled at rate·share,
+// for a limit that one of several gateways enforces alone (local_share).
+// share, 0 < share ≤ 1, is read as its simplest fraction (0.33 as 33/100,
+// the float nearest 1/3 as 1/3). The Spec is exact when the product can be
+// held exactly (see Limit.Spec); else its rate is a close one below
+// rate·share that can (the largest of the continued fraction's
+// approximations from below that a Spec holds), so that the scaled limit
+// never refills faster than its share.
+func ScaledSpec(capacity int64, rate Rate, share float64) (Spec, error) {
+	sh, err := RateFromFloat(share)
+	if err != nil {
+		return Spec{}, fmt.Errorf("share %v: %w", share, err)
+	}
+	target := new(big.Rat).SetFrac64(rate.num, rate.den)
+	target.Mul(target, new(big.Rat).SetFrac64(sh.num, sh.den))
+	spec := func(p, q *big.Int) (Spec, bool) {
+		r, err := rateFromRat(new(big.Rat).SetFrac(p, q))
+		if err != nil {
+			return Spec{}, false
+		}
+		s, err := Limit{Capacity: capacity, Rate: r}.Spec()
+		return s, err == nil
+	}
+	if s, ok := spec(target.Num(), target.Denom()); ok {
+		return s, nil
+	}
+	// The convergents p/q of target's continued fraction alternate below
+	// and above it; between two below it lie the semiconvergents
+	// (p₋₂ + k·p₋₁)/(q₋₂ + k·q₋₁), k = 1..a, also below and rising with k.
+	// Take the largest k that a Spec holds at the first convergent below
+	// that it cannot hold whole.
+	var best Spec
+	found := false
+	x := new(big.Rat).Set(target)
+	p0, q0 := big.NewInt(0), big.NewInt(1) // p₋₂/q₋₂
+	p1, q1 := big.NewInt(1), big.NewInt(0) // p₋₁/q₋₁
+	semi := func(k int64) (p, q *big.Int) {
+		kb := big.NewInt(k)
+		return new(big.Int).Add(p0, new(big.Int).Mul(kb, p1)), new(big.Int).Add(q0, new(big.Int).Mul(kb, q1))
+	}
+	for i := 0; i < 100; i++ {
+		a := new(big.Int).Quo(x.Num(), x.Denom())
+		if i%2 == 0 && a.IsInt64() { // this convergent is below target
+			if p, q := semi(a.Int64()); p.Sign() > 0 {
+				if s, ok := spec(p, q); ok {
+					best, found = s, true
+				} else {
+					lo, hi := int64(0), a.Int64() // spec holds at lo (or lo is 0), not at hi
+					for hi-lo > 1 {
+						mid := lo + (hi-lo)/2
+						if p, q := semi(mid); p.Sign() > 0 {
+							if s, ok := spec(p, q); ok {
+								best, found, lo = s, true, mid
+								continue
+							}
+						}
+						hi = mid
+					}
+					break
+				}
+			}
+		}
+		p0, p1 = p1, new(big.Int).Add(new(big.Int).Mul(a, p1), p0)
+		q0, q1 = q1, new(big.Int).Add(new(big.Int).Mul(a, q1), q0)
+		frac := new(big.Rat).Sub(x, new(big.Rat).SetInt(a))
+		if frac.Sign() == 0 {
+			break
+		}
+		x = frac.Inv(frac)
+	}
+	if !found {
+		return Spec{}, fmt.Errorf("capacity %d refilled at %s × %v cannot be held exactly", capacity, rate, share)
+	}
+	return best, nil
+}
+
+// ScaledCapacity returns ⌊capacity·share⌋, at least 1, with share (0 <
+// share ≤ 1) read as its simplest fraction, as in ScaledSpec: 3000 × the
+// float nearest 1/3 is 1000, not 999.
+func ScaledCapacity(capacity int64, share float64) int64 {
+	sh, err := RateFromFloat(share)
+	if err != nil {
+		return capacity
+	}
+	c := new(big.Int).Mul(big.NewInt(capacity), big.NewInt(sh.num))
+	c.Quo(c, big.NewInt(sh.den))
+	return max(1, min(c.Int64(), capacity))
+}
