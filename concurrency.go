@@ -64,8 +64,9 @@ func (h *Handler) holdSlots(v *verdict) *slots {
 
 // releaseLeases releases in Redis the concurrency slots that req's call
 // may have taken under its lease id, for a request whose answer was lost
-// (its client gone while the call was under way). A slot that the call
-// did not take is left alone: a release removes only this lease id.
+// (its client gone while the call was under way, or the call failed after
+// it was sent). A slot that the call did not take is left alone: a
+// release removes only this lease id. It only reads req.
 func (h *Handler) releaseLeases(req *request) {
 	if req.leases == 0 {
 		return

@@ -250,6 +250,13 @@ func (h *Handler) decideDemote(x *exchange, store bucket.Redis, id string) verdi
 // the concurrency slots it may have taken, reqs' (the request's, and on
 // the demotion path the penalty tier's), are released at once rather
 // than held till their lease lapses.
+//
+// So are they after any other failure of a call that was sent (all but
+// breaker_open): a call that timed out, or whose connection broke after
+// its write, may have run too, and its slots would otherwise stay taken
+// for the whole concurrency_lease while the policy decides the request.
+// That release runs in the background, so that it does not add its own
+// wait to a request already kept waiting by Redis.
 func (h *Handler) decideDegraded(x *exchange, cause error, reqs ...*request) verdict {
 	kind := countRedisError(cause)
 	if kind == errCanceled && x.r.Context().Err() != nil {
@@ -257,6 +264,13 @@ func (h *Handler) decideDegraded(x *exchange, cause error, reqs ...*request) ver
 			h.releaseLeases(req)
 		}
 		return verdict{tier: x.tier, gone: true}
+	}
+	if kind != errBreakerOpen {
+		for _, req := range reqs {
+			if req.leases > 0 {
+				go h.releaseLeases(req)
+			}
+		}
 	}
 	// While the breaker is open every call fails at once; the breaker
 	// logged its opening, so only calls that reached Redis are logged.

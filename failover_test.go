@@ -962,3 +962,36 @@ func TestReadiness(t *testing.T) {
 		return nil
 	})
 }
+
+// TestTimedOutCallReleasesSlots: a call whose reply comes after the
+// timeout ran in Redis all the same, taking alice's only concurrency slot
+// (`user 1 concurrent`) under the request's lease. Whatever on_redis_error
+// then decides (200 from the local store, 200 allow, 503 deny), the slot
+// is given back, not held for the 10-minute concurrency_lease, and alice's
+// next request, with nothing in flight, is allowed by Redis.
+func TestTimedOutCallReleasesSlots(t *testing.T) {
+	for _, tc := range []struct {
+		policy string
+		status int
+	}{{PolicyLocal, http.StatusOK}, {PolicyAllow, http.StatusOK}, {PolicyDeny, http.StatusServiceUnavailable}} {
+		t.Run(tc.policy, func(t *testing.T) {
+			srv := redistest.Start(t)
+			proxy := redistest.StartProxy(t)
+			proxy.SetTarget(srv.Addr)
+			h := foHandler(&RedisConfig{Address: []string{proxy.Addr}, Timeout: caddy.Duration(100 * time.Millisecond), BreakerFailures: 100}, tc.policy, 1000)
+			h.Tiers[0].Limits = append(h.Tiers[0].Limits, Limit{Dimension: "user", Capacity: 1, Unit: UnitConcurrent})
+			provisionHandler(t, h)
+			if r := serveUser(h, "warm"); !r.fromRedis() || r.status != http.StatusOK {
+				t.Fatalf("warm-up: status %d, from Redis %v", r.status, r.fromRedis())
+			}
+			proxy.DelayReplyTo("evalsha", 2*time.Second)
+			if r := serveUser(h, "alice"); r.status != tc.status || !r.degraded {
+				t.Fatalf("the call that times out: status %d, degraded %v; want %d by on_redis_error %s", r.status, r.degraded, tc.status, tc.policy)
+			}
+			cceWaitCard(t, srv.Client(t), cceKey("alice"), 0, "the slot the timed-out call took, given back")
+			if r := serveUser(h, "alice"); !r.fromRedis() || r.status != http.StatusOK {
+				t.Errorf("alice, nothing in flight: status %d, from Redis %v (%q); want 200 from Redis", r.status, r.fromRedis(), r.body)
+			}
+		})
+	}
+}
