@@ -130,7 +130,43 @@ func (s *slots) release() {
 		return
 	}
 	if _, err := h.conn.lease(context.Background(), s.keys, s.id, 0); err != nil {
+		if redisErrorKind(err) == errBreakerOpen && h.conn.hold() {
+			// Not sent: Redis may well be back, and a slot not given back
+			// is lost to its identity for the rest of its lease.
+			go h.releaseLater(s.keys, s.id, time.Now().Add(time.Duration(h.ConcurrencyLease)))
+			return
+		}
 		h.logger.Warn("releasing concurrency slots failed; they lapse with their lease",
 			zap.Duration("concurrency_lease", time.Duration(h.ConcurrencyLease)), zap.Error(err))
+	}
+}
+
+// releaseLater retries a release that the open breaker refused, once per
+// breaker_cooldown (the first retry is the breaker's half-open probe, or
+// follows it), until one is sent or the lease has lapsed by itself at
+// deadline. The caller holds the client for it (conn.hold).
+func (h *Handler) releaseLater(keys []string, id string, deadline time.Time) {
+	defer h.conn.release()
+	every := DefaultBreakerCooldown
+	if h.Redis != nil && h.Redis.BreakerCooldown > 0 {
+		every = time.Duration(h.Redis.BreakerCooldown)
+	}
+	t := time.NewTimer(every)
+	defer t.Stop()
+	for {
+		<-t.C
+		if time.Now().After(deadline) {
+			return // lapsed
+		}
+		_, err := h.conn.lease(context.Background(), keys, id, 0)
+		if err == nil {
+			return
+		}
+		if redisErrorKind(err) != errBreakerOpen {
+			h.logger.Warn("releasing concurrency slots failed; they lapse with their lease",
+				zap.Duration("concurrency_lease", time.Duration(h.ConcurrencyLease)), zap.Error(err))
+			return
+		}
+		t.Reset(every)
 	}
 }

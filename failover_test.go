@@ -995,3 +995,49 @@ func TestTimedOutCallReleasesSlots(t *testing.T) {
 		})
 	}
 }
+
+// TestReleaseAfterOpenBreaker: alice's stream holds her only slot when
+// Redis stalls and one timed-out call opens the breaker (breaker_failures
+// 1). Redis comes back, and the stream ends while the breaker is still
+// open, which refuses the release; it is sent again once the cooldown has
+// passed, rather than leaving the slot taken for the rest of its
+// 10-minute lease.
+func TestReleaseAfterOpenBreaker(t *testing.T) {
+	srv := redistest.Start(t)
+	h := foHandler(&RedisConfig{Address: []string{srv.Addr}, Timeout: caddy.Duration(100 * time.Millisecond),
+		BreakerFailures: 1, BreakerCooldown: caddy.Duration(time.Second)}, PolicyLocal, 1000)
+	h.Tiers[0].Limits = append(h.Tiers[0].Limits, Limit{Dimension: "user", Capacity: 1, Unit: UnitConcurrent})
+	provisionHandler(t, h)
+	key := cceKey("alice")
+
+	streaming, end, done := make(chan struct{}), make(chan struct{}), make(chan error, 1)
+	go func() {
+		req := httptest.NewRequest(http.MethodGet, "http://gateway.test/", nil)
+		req.RemoteAddr = "192.0.2.1:1234"
+		req.Header.Set("X-User", "alice")
+		rec := httptest.NewRecorder()
+		req = caddyhttp.PrepareRequest(req, caddy.NewReplacer(), rec, &caddyhttp.Server{})
+		done <- h.ServeHTTP(rec, req, caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+			close(streaming)
+			<-end
+			w.WriteHeader(http.StatusOK)
+			return nil
+		}))
+	}()
+	<-streaming
+	cceWaitCard(t, srv.Client(t), key, 1, "alice's slot, taken")
+
+	srv.Pause(t)
+	if r := serveUser(h, "bob"); !r.degraded {
+		t.Fatalf("bob while Redis stalls: status %d, not degraded", r.status)
+	}
+	srv.Resume(t)
+	if s := h.conn.breaker.State(); s != gobreaker.StateOpen {
+		t.Fatalf("breaker %v after a failed call, want open", s)
+	}
+	close(end)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	cceWaitCard(t, srv.Client(t), key, 0, "alice's slot, given back once the breaker let the release through")
+}
