@@ -84,6 +84,20 @@ func (h *Handler) releaseLeases(req *request) {
 // one renewal may fail or come late without the lease lapsing.
 func (h *Handler) renewEvery() time.Duration { return time.Duration(h.ConcurrencyLease) / 2 }
 
+// retryEvery is the time before a failed renewal is tried again: the
+// breaker's cooldown (the soonest a refused call can pass), at most a
+// quarter of renewEvery, so that several tries fit in the half lease that
+// is left.
+func (h *Handler) retryEvery() time.Duration { return min(h.breakerCooldown(), h.renewEvery()/4) }
+
+// breakerCooldown is redis.breaker_cooldown, or its default.
+func (h *Handler) breakerCooldown() time.Duration {
+	if h.Redis != nil && h.Redis.BreakerCooldown > 0 {
+		return time.Duration(h.Redis.BreakerCooldown)
+	}
+	return DefaultBreakerCooldown
+}
+
 // renew extends the lease and arms the next renewal, unless the slots
 // were released meanwhile. It holds s.mu throughout, so that release waits
 // for a renewal under way rather than letting it run after the request is
@@ -100,6 +114,8 @@ func (s *slots) renew() {
 	case err != nil:
 		h.logger.Warn("renewing concurrency slots failed; they lapse unless a later renewal succeeds",
 			zap.Duration("concurrency_lease", time.Duration(h.ConcurrencyLease)), zap.Error(err))
+		s.timer.Reset(h.retryEvery()) // before the lease lapses, not a half lease later
+		return
 	case held < int64(len(s.keys)):
 		h.logger.Warn("a concurrency slot lapsed while its response was still being written",
 			zap.Int64("held", held), zap.Int("slots", len(s.keys)))
@@ -147,10 +163,7 @@ func (s *slots) release() {
 // deadline. The caller holds the client for it (conn.hold).
 func (h *Handler) releaseLater(keys []string, id string, deadline time.Time) {
 	defer h.conn.release()
-	every := DefaultBreakerCooldown
-	if h.Redis != nil && h.Redis.BreakerCooldown > 0 {
-		every = time.Duration(h.Redis.BreakerCooldown)
-	}
+	every := h.breakerCooldown()
 	t := time.NewTimer(every)
 	defer t.Stop()
 	for {

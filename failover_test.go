@@ -1041,3 +1041,62 @@ func TestReleaseAfterOpenBreaker(t *testing.T) {
 	}
 	cceWaitCard(t, srv.Client(t), key, 0, "alice's slot, given back once the breaker let the release through")
 }
+
+// TestRenewalRetriedBeforeLeaseLapses: alice's stream holds her only slot
+// under a 4 s lease, renewed every 2 s. Redis stalls over the first
+// renewal, which times out and opens the breaker (breaker_failures 1,
+// cooldown 300 ms); Redis comes back. The renewal is tried again within
+// the cooldown, not a half lease later when the lease has lapsed, so the
+// lease is extended while the stream goes on.
+func TestRenewalRetriedBeforeLeaseLapses(t *testing.T) {
+	srv := redistest.Start(t)
+	h := foHandler(&RedisConfig{Address: []string{srv.Addr}, Timeout: caddy.Duration(100 * time.Millisecond),
+		BreakerFailures: 1, BreakerCooldown: caddy.Duration(300 * time.Millisecond)}, PolicyLocal, 1000)
+	h.Tiers[0].Limits = append(h.Tiers[0].Limits, Limit{Dimension: "user", Capacity: 1, Unit: UnitConcurrent})
+	h.ConcurrencyLease = caddy.Duration(4 * time.Second)
+	provisionHandler(t, h)
+	rdb, key := srv.Client(t), cceKey("alice")
+
+	streaming, end, done := make(chan struct{}), make(chan struct{}), make(chan error, 1)
+	go func() {
+		req := httptest.NewRequest(http.MethodGet, "http://gateway.test/", nil)
+		req.RemoteAddr = "192.0.2.1:1234"
+		req.Header.Set("X-User", "alice")
+		rec := httptest.NewRecorder()
+		req = caddyhttp.PrepareRequest(req, caddy.NewReplacer(), rec, &caddyhttp.Server{})
+		done <- h.ServeHTTP(rec, req, caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+			close(streaming)
+			<-end
+			w.WriteHeader(http.StatusOK)
+			return nil
+		}))
+	}()
+	defer func() {
+		close(end)
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}()
+	<-streaming
+	leases := rdb.ZRangeWithScores(context.Background(), key, 0, -1).Val()
+	if len(leases) != 1 {
+		t.Fatalf("leases %v, want alice's one", leases)
+	}
+	first := leases[0].Score
+
+	srv.Pause(t)
+	redistest.WaitFor(t, 10*time.Second, "the renewal to fail and open the breaker", func() error {
+		if s := h.conn.breaker.State(); s != gobreaker.StateOpen {
+			return fmt.Errorf("breaker %v", s)
+		}
+		return nil
+	})
+	srv.Resume(t)
+	redistest.WaitFor(t, 10*time.Second, "the lease renewed after the failed renewal", func() error {
+		leases := rdb.ZRangeWithScores(context.Background(), key, 0, -1).Val()
+		if len(leases) != 1 || leases[0].Score <= first {
+			return fmt.Errorf("leases %v, first lease until %v", leases, first)
+		}
+		return nil
+	})
+}
