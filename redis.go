@@ -281,6 +281,9 @@ func (c *RedisConfig) resolve() (*resolved, error) {
 		if err := c.parseURL(u, o); err != nil {
 			return nil, err
 		}
+		if o.DB < 0 { // go-redis selects only a db > 0: -1 would mean db 0
+			return nil, fmt.Errorf("redis.url: database %d: %v", o.DB, errNonNegative)
+		}
 	}
 	if len(c.Address) > 0 {
 		o.Addrs = make([]string, len(c.Address))

@@ -142,6 +142,9 @@ func TestRedisURLErrors(t *testing.T) {
 		{"sentinel_bad_db", RedisConfig{URL: "redis://:s3cret@s1:26379/x?master_name=m"},
 			`redis.url: redis: invalid database number: "x"`},
 		{"unparsable", RedisConfig{URL: "redis://alice:s3cret@cache:port/0"}, `redis.url: invalid port ":port" after host`},
+		{"negative_db", RedisConfig{URL: "redis://:s3cret@cache:6379/-2"}, "redis.url: database -2: must be a whole number ≥ 0"},
+		{"negative_db_parameter", RedisConfig{URL: "redis://:s3cret@cache:6379?db=-1"}, "redis.url: database -1: must be a whole number ≥ 0"},
+		{"sentinel_negative_db", RedisConfig{URL: "redis://:s3cret@s1:26379/-3?master_name=m"}, "redis.url: database -3: must be a whole number ≥ 0"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if err := tc.rc.validate(); err != nil {
