@@ -318,6 +318,9 @@ func readBucketParams(r *http.Request) (bucketParams, error) {
 		if err := dec.Decode(&p); err != nil {
 			return p, apiError(http.StatusBadRequest, "reading the JSON body: "+err.Error())
 		}
+		if _, err := dec.Token(); err != io.EOF {
+			return p, apiError(http.StatusBadRequest, "reading the JSON body: one object, and nothing after it")
+		}
 		return p, nil
 	}
 	q := r.URL.Query()
