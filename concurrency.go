@@ -55,8 +55,11 @@ func (h *Handler) holdSlots(v *verdict) *slots {
 		return nil
 	}
 	if !s.local {
+		// The lease runs from the decision: a request held by on_limit
+		// wait has spent part of it already.
+		first := h.renewEvery() - h.now().Sub(time.UnixMicro(req.decidedAt))
 		s.mu.Lock() // renew reads the timer under the lock
-		s.timer = time.AfterFunc(h.renewEvery(), s.renew)
+		s.timer = time.AfterFunc(max(0, first), s.renew)
 		s.mu.Unlock()
 	}
 	return s

@@ -329,6 +329,12 @@ func (h *Handler) validate() error {
 		if err := h.reservationsExact(); err != nil {
 			return err
 		}
+		if lease := time.Duration(h.ConcurrencyLease); lease != 0 && lease < 2*time.Duration(h.MaxWait) {
+			// A held request's slots are taken when it is decided and first
+			// renewed half a lease later: the wait must fit in that half.
+			return fmt.Errorf("concurrency_lease %v: at least twice max_wait (%v) with on_limit wait, so that a held request's slots outlast its wait",
+				lease, time.Duration(h.MaxWait))
+		}
 	default:
 		return fmt.Errorf("on_limit %q: must be reject or wait", h.OnLimit)
 	}

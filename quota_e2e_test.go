@@ -418,6 +418,8 @@ func TestQuotaAndWaitConfigErrors(t *testing.T) {
 		{"max_wait with reject", jsonErrorField(`"on_limit": "reject", "max_wait": "5s"`), `max_wait 5s: only with on_limit wait`},
 		{"on_limit unknown", jsonErrorField(`"on_limit": "queue"`), `on_limit "queue": must be reject or wait`},
 		{"max_waiting negative", jsonErrorField(`"on_limit": "wait", "max_wait": "1s", "max_waiting": -1`), `max_waiting -1: must be a whole number > 0`},
+		{"lease shorter than two waits", jsonErrorField(`"on_limit": "wait", "max_wait": "5s", "concurrency_lease": "8s"`),
+			`concurrency_lease 8s: at least twice max_wait (5s) with on_limit wait, so that a held request's slots outlast its wait`},
 	}
 	for _, tc := range jsonCases {
 		t.Run("json/"+tc.name, func(t *testing.T) {
