@@ -1010,21 +1010,7 @@ func TestReleaseAfterOpenBreaker(t *testing.T) {
 	provisionHandler(t, h)
 	key := cceKey("alice")
 
-	streaming, end, done := make(chan struct{}), make(chan struct{}), make(chan error, 1)
-	go func() {
-		req := httptest.NewRequest(http.MethodGet, "http://gateway.test/", nil)
-		req.RemoteAddr = "192.0.2.1:1234"
-		req.Header.Set("X-User", "alice")
-		rec := httptest.NewRecorder()
-		req = caddyhttp.PrepareRequest(req, caddy.NewReplacer(), rec, &caddyhttp.Server{})
-		done <- h.ServeHTTP(rec, req, caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
-			close(streaming)
-			<-end
-			w.WriteHeader(http.StatusOK)
-			return nil
-		}))
-	}()
-	<-streaming
+	endStream := foStream(t, h, "alice")
 	cceWaitCard(t, srv.Client(t), key, 1, "alice's slot, taken")
 
 	srv.Pause(t)
@@ -1035,10 +1021,7 @@ func TestReleaseAfterOpenBreaker(t *testing.T) {
 	if s := h.conn.breaker.State(); s != gobreaker.StateOpen {
 		t.Fatalf("breaker %v after a failed call, want open", s)
 	}
-	close(end)
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	endStream()
 	cceWaitCard(t, srv.Client(t), key, 0, "alice's slot, given back once the breaker let the release through")
 }
 
@@ -1057,27 +1040,7 @@ func TestRenewalRetriedBeforeLeaseLapses(t *testing.T) {
 	provisionHandler(t, h)
 	rdb, key := srv.Client(t), cceKey("alice")
 
-	streaming, end, done := make(chan struct{}), make(chan struct{}), make(chan error, 1)
-	go func() {
-		req := httptest.NewRequest(http.MethodGet, "http://gateway.test/", nil)
-		req.RemoteAddr = "192.0.2.1:1234"
-		req.Header.Set("X-User", "alice")
-		rec := httptest.NewRecorder()
-		req = caddyhttp.PrepareRequest(req, caddy.NewReplacer(), rec, &caddyhttp.Server{})
-		done <- h.ServeHTTP(rec, req, caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
-			close(streaming)
-			<-end
-			w.WriteHeader(http.StatusOK)
-			return nil
-		}))
-	}()
-	defer func() {
-		close(end)
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	}()
-	<-streaming
+	defer foStream(t, h, "alice")()
 	leases := rdb.ZRangeWithScores(context.Background(), key, 0, -1).Val()
 	if len(leases) != 1 {
 		t.Fatalf("leases %v, want alice's one", leases)
@@ -1099,4 +1062,33 @@ func TestRenewalRetriedBeforeLeaseLapses(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// foStream sends user's request through h, as serveUser does, to a next
+// handler that holds it, as a stream would, until the returned func ends
+// it; it returns once next holds the request. The func fails t if
+// ServeHTTP returned an error.
+func foStream(t *testing.T, h *Handler, user string) (end func()) {
+	t.Helper()
+	streaming, stop, done := make(chan struct{}), make(chan struct{}), make(chan error, 1)
+	go func() {
+		req := httptest.NewRequest(http.MethodGet, "http://gateway.test/", nil)
+		req.RemoteAddr = "192.0.2.1:1234"
+		req.Header.Set("X-User", user)
+		rec := httptest.NewRecorder()
+		req = caddyhttp.PrepareRequest(req, caddy.NewReplacer(), rec, &caddyhttp.Server{})
+		done <- h.ServeHTTP(rec, req, caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+			close(streaming)
+			<-stop
+			w.WriteHeader(http.StatusOK)
+			return nil
+		}))
+	}()
+	<-streaming
+	return func() {
+		close(stop)
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}
 }
