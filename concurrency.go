@@ -28,6 +28,7 @@ type slots struct {
 	mu       sync.Mutex
 	timer    *time.Timer // the next renewal; nil when local
 	released bool
+	failing  bool // the last renewal failed (logged once until one succeeds)
 }
 
 // holdSlots returns the concurrency slots the verdict took, nil when it
@@ -115,14 +116,18 @@ func (s *slots) renew() {
 	held, err := h.conn.lease(context.Background(), s.keys, s.id, h.leaseMS)
 	switch {
 	case err != nil:
-		h.logger.Warn("renewing concurrency slots failed; they lapse unless a later renewal succeeds",
-			zap.Duration("concurrency_lease", time.Duration(h.ConcurrencyLease)), zap.Error(err))
+		if !s.failing {
+			h.logger.Warn("renewing concurrency slots failed; they lapse unless a later renewal succeeds",
+				zap.Duration("concurrency_lease", time.Duration(h.ConcurrencyLease)), zap.Error(err))
+		}
+		s.failing = true
 		s.timer.Reset(h.retryEvery()) // before the lease lapses, not a half lease later
 		return
 	case held < int64(len(s.keys)):
 		h.logger.Warn("a concurrency slot lapsed while its response was still being written",
 			zap.Int64("held", held), zap.Int("slots", len(s.keys)))
 	}
+	s.failing = false
 	s.timer.Reset(h.renewEvery())
 }
 

@@ -265,16 +265,15 @@ func (h *Handler) decideDegraded(x *exchange, cause error, reqs ...*request) ver
 		}
 		return verdict{tier: x.tier, gone: true}
 	}
+	// While the breaker is open every call fails at once, unsent; the
+	// breaker logged its opening, so only calls that reached Redis are
+	// logged, and only they may have taken slots.
 	if kind != errBreakerOpen {
 		for _, req := range reqs {
 			if req.leases > 0 {
 				go h.releaseLeases(req)
 			}
 		}
-	}
-	// While the breaker is open every call fails at once; the breaker
-	// logged its opening, so only calls that reached Redis are logged.
-	if kind != errBreakerOpen {
 		if c := h.logger.Check(zap.WarnLevel, "redis call failed; on_redis_error applies"); c != nil {
 			c.Write(zap.String("on_redis_error", h.OnRedisError), zap.String("kind", kind), zap.Error(cause))
 		}
