@@ -16,7 +16,7 @@ import (
 // half lease while the response goes on, so that a stream of any length
 // keeps them; released once when the response ends, however it ends (the
 // stream's last byte, the client gone, an upstream error, a panic in
-// next). A release that fails leaves them to lapse with their lease.
+// next). A release that fails is tried again until their lease lapses.
 type slots struct {
 	h      *Handler
 	keys   []string
@@ -153,39 +153,42 @@ func (s *slots) release() {
 		h.local.Release(s.keys, s.takes)
 		return
 	}
-	if _, err := h.conn.lease(context.Background(), s.keys, s.id, 0); err != nil {
-		if redisErrorKind(err) == errBreakerOpen && h.conn.hold() {
-			// Not sent: Redis may well be back, and a slot not given back
-			// is lost to its identity for the rest of its lease.
-			go h.releaseLater(s.keys, s.id, time.Now().Add(time.Duration(h.ConcurrencyLease)))
-			return
-		}
-		h.logger.Warn("releasing concurrency slots failed; they lapse with their lease",
+	h.releaseLeased(s.keys, s.id)
+}
+
+// releaseLeased releases the lease id on keys in Redis. A release that
+// fails (refused by the open breaker, or Redis slow or away) is tried
+// again in the background: a slot not given back is lost to its identity
+// for the rest of its lease.
+func (h *Handler) releaseLeased(keys []string, id string) {
+	_, err := h.conn.lease(context.Background(), keys, id, 0)
+	if err == nil {
+		return
+	}
+	if redisErrorKind(err) != errBreakerOpen {
+		h.logger.Warn("releasing concurrency slots failed; trying again until their lease lapses",
 			zap.Duration("concurrency_lease", time.Duration(h.ConcurrencyLease)), zap.Error(err))
+	}
+	if h.conn.hold() {
+		go h.releaseLater(keys, id, time.Now().Add(time.Duration(h.ConcurrencyLease)))
 	}
 }
 
-// releaseLater retries a release that the open breaker refused, once per
-// breaker_cooldown (the first retry is the breaker's half-open probe, or
-// follows it), until one is sent or the lease has lapsed by itself at
-// deadline. The caller holds the client for it (conn.hold).
+// releaseLater retries a failed release every quarter breaker_cooldown
+// (a call the open breaker refuses costs nothing, and the first after the
+// cooldown is its half-open probe), until one succeeds or the lease has
+// lapsed by itself at deadline. The caller holds the client for it
+// (conn.hold).
 func (h *Handler) releaseLater(keys []string, id string, deadline time.Time) {
 	defer h.conn.release()
-	every := h.breakerCooldown()
+	every := h.breakerCooldown() / 4
 	t := time.NewTimer(every)
 	defer t.Stop()
-	for {
-		<-t.C
+	for range t.C {
 		if time.Now().After(deadline) {
 			return // lapsed
 		}
-		_, err := h.conn.lease(context.Background(), keys, id, 0)
-		if err == nil {
-			return
-		}
-		if redisErrorKind(err) != errBreakerOpen {
-			h.logger.Warn("releasing concurrency slots failed; they lapse with their lease",
-				zap.Duration("concurrency_lease", time.Duration(h.ConcurrencyLease)), zap.Error(err))
+		if _, err := h.conn.lease(context.Background(), keys, id, 0); err == nil {
 			return
 		}
 		t.Reset(every)

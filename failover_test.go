@@ -996,6 +996,30 @@ func TestTimedOutCallReleasesSlots(t *testing.T) {
 	}
 }
 
+// TestStalledCallReleasesSlots: Redis stalls (SIGSTOP) under alice's
+// call, which times out, as the release sent after it does; both wait in
+// Redis's sockets and run once it resumes, taking alice's only slot and
+// giving it back. (Were the release to run first, it would be tried again
+// until it ran after the call: see releaseLater.)
+func TestStalledCallReleasesSlots(t *testing.T) {
+	srv := redistest.Start(t)
+	h := foHandler(&RedisConfig{Address: []string{srv.Addr}, Timeout: caddy.Duration(100 * time.Millisecond), BreakerFailures: 100}, PolicyLocal, 1000)
+	h.Tiers[0].Limits = append(h.Tiers[0].Limits, Limit{Dimension: "user", Capacity: 1, Unit: UnitConcurrent})
+	provisionHandler(t, h)
+	if r := serveUser(h, "warm"); !r.fromRedis() {
+		t.Fatalf("warm-up: status %d, not from Redis", r.status)
+	}
+	srv.Pause(t)
+	if r := serveUser(h, "alice"); r.status != http.StatusOK || !r.degraded {
+		t.Fatalf("alice while Redis stalls: status %d, degraded %v; want 200 from the local store", r.status, r.degraded)
+	}
+	srv.Resume(t)
+	cceWaitCard(t, srv.Client(t), cceKey("alice"), 0, "alice's slot, given back after Redis resumed")
+	if r := serveUser(h, "alice"); !r.fromRedis() || r.status != http.StatusOK {
+		t.Errorf("alice, nothing in flight: status %d, from Redis %v (%q); want 200 from Redis", r.status, r.fromRedis(), r.body)
+	}
+}
+
 // TestReleaseAfterOpenBreaker: alice's stream holds her only slot when
 // Redis stalls and one timed-out call opens the breaker (breaker_failures
 // 1). Redis comes back, and the stream ends while the breaker is still
