@@ -92,7 +92,13 @@ func (h *Handler) renewEvery() time.Duration { return time.Duration(h.Concurrenc
 // breaker's cooldown (the soonest a refused call can pass), at most a
 // quarter of renewEvery, so that several tries fit in the half lease that
 // is left.
-func (h *Handler) retryEvery() time.Duration { return min(h.breakerCooldown(), h.renewEvery()/4) }
+func (h *Handler) retryEvery() time.Duration {
+	return max(minRetry, min(h.breakerCooldown(), h.renewEvery()/4))
+}
+
+// minRetry bounds how often a failed renewal or release is tried again,
+// whatever breaker_cooldown and concurrency_lease are.
+const minRetry = 10 * time.Millisecond
 
 // breakerCooldown is redis.breaker_cooldown, or its default.
 func (h *Handler) breakerCooldown() time.Duration {
@@ -181,7 +187,7 @@ func (h *Handler) releaseLeased(keys []string, id string) {
 // (conn.hold).
 func (h *Handler) releaseLater(keys []string, id string, deadline time.Time) {
 	defer h.conn.release()
-	every := h.breakerCooldown() / 4
+	every := max(minRetry, h.breakerCooldown()/4)
 	t := time.NewTimer(every)
 	defer t.Stop()
 	for range t.C {

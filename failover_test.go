@@ -999,8 +999,8 @@ func TestTimedOutCallReleasesSlots(t *testing.T) {
 // TestStalledCallReleasesSlots: Redis stalls (SIGSTOP) under alice's
 // call, which times out, as the release sent after it does; both wait in
 // Redis's sockets and run once it resumes, taking alice's only slot and
-// giving it back. (Were the release to run first, it would be tried again
-// until it ran after the call: see releaseLater.)
+// giving it back. (Had the release reached Redis first and succeeded, the
+// call would hold the slot for its lease: nothing tells the gateway so.)
 func TestStalledCallReleasesSlots(t *testing.T) {
 	srv := redistest.Start(t)
 	h := foHandler(&RedisConfig{Address: []string{srv.Addr}, Timeout: caddy.Duration(100 * time.Millisecond), BreakerFailures: 100}, PolicyLocal, 1000)

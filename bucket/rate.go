@@ -179,10 +179,12 @@ func parsePeriod(s string) (*big.Rat, error) {
 // for a limit that one of several gateways enforces alone (local_share).
 // share, 0 < share ≤ 1, is read as its simplest fraction (0.33 as 33/100,
 // the float nearest 1/3 as 1/3). The Spec is exact when the product can be
-// held exactly (see Limit.Spec); else its rate is a close one below
-// rate·share that can (the largest of the continued fraction's
-// approximations from below that a Spec holds), so that the scaled limit
-// never refills faster than its share.
+// held exactly (see Limit.Spec); else its rate is the closest below
+// rate·share of two candidates that a Spec holds: an approximation from
+// the continued fraction (belowByConvergents), and the finest scale the
+// capacity leaves room for with the refill rounded down (short by less
+// than one unit a microsecond). So the scaled limit never refills faster
+// than its share.
 func ScaledSpec(capacity int64, rate Rate, share float64) (Spec, error) {
 	sh, err := RateFromFloat(share)
 	if err != nil {
@@ -190,6 +192,43 @@ func ScaledSpec(capacity int64, rate Rate, share float64) (Spec, error) {
 	}
 	target := new(big.Rat).SetFrac64(rate.num, rate.den)
 	target.Mul(target, new(big.Rat).SetFrac64(sh.num, sh.den))
+	if r, err := rateFromRat(target); err == nil {
+		if s, err := (Limit{Capacity: capacity, Rate: r}).Spec(); err == nil {
+			return s, nil
+		}
+	}
+	if capacity <= 0 {
+		return Spec{}, fmt.Errorf("capacity %d must be > 0", capacity)
+	}
+	// Units per microsecond = target / 10^6 = n/d. The scale may go up to
+	// MaxExact/capacity (capacity × scale ≤ 2^53) and to what keeps
+	// refill·1000 ≤ 2^53, that is MaxExact·d / (1000·n).
+	n := new(big.Int).Set(target.Num())
+	d := new(big.Int).Mul(target.Denom(), big.NewInt(1_000_000))
+	scale := big.NewInt(MaxExact / capacity)
+	if byRefill := new(big.Int).Quo(new(big.Int).Mul(big.NewInt(MaxExact), d), new(big.Int).Mul(n, big.NewInt(1000))); byRefill.Cmp(scale) < 0 {
+		scale = byRefill
+	}
+	best, found := belowByConvergents(capacity, target)
+	if refill := new(big.Int).Quo(new(big.Int).Mul(n, scale), d); refill.Sign() > 0 { // rounded down
+		g := new(big.Int).GCD(nil, nil, refill, scale)
+		s := Spec{Capacity: capacity, Scale: new(big.Int).Quo(scale, g).Int64(), Refill: new(big.Int).Quo(refill, g).Int64()}
+		// s's rate is above best's when s.Refill/s.Scale > best.Refill/best.Scale.
+		if !found || new(big.Int).Mul(big.NewInt(s.Refill), big.NewInt(best.Scale)).Cmp(new(big.Int).Mul(big.NewInt(best.Refill), big.NewInt(s.Scale))) > 0 {
+			best, found = s, true
+		}
+	}
+	if !found {
+		return Spec{}, fmt.Errorf("capacity %d refilled at %s × %v cannot be held: under one unit a microsecond at the finest scale it leaves room for", capacity, rate, share)
+	}
+	return best, nil
+}
+
+// belowByConvergents returns the largest rate below target, among the
+// continued fraction's approximations from below, that a Spec of capacity
+// holds; false when none is found. The search is a heuristic: whether a
+// Spec holds a rate depends on its factors, not its size.
+func belowByConvergents(capacity int64, target *big.Rat) (Spec, bool) {
 	spec := func(p, q *big.Int) (Spec, bool) {
 		r, err := rateFromRat(new(big.Rat).SetFrac(p, q))
 		if err != nil {
@@ -197,9 +236,6 @@ func ScaledSpec(capacity int64, rate Rate, share float64) (Spec, error) {
 		}
 		s, err := Limit{Capacity: capacity, Rate: r}.Spec()
 		return s, err == nil
-	}
-	if s, ok := spec(target.Num(), target.Denom()); ok {
-		return s, nil
 	}
 	// The convergents p/q of target's continued fraction alternate below
 	// and above it; between two below it lie the semiconvergents
@@ -245,10 +281,7 @@ func ScaledSpec(capacity int64, rate Rate, share float64) (Spec, error) {
 		}
 		x = frac.Inv(frac)
 	}
-	if !found {
-		return Spec{}, fmt.Errorf("capacity %d refilled at %s × %v cannot be held exactly", capacity, rate, share)
-	}
-	return best, nil
+	return best, found
 }
 
 // ScaledCapacity returns ⌊capacity·share⌋, at least 1, with share (0 <

@@ -55,4 +55,20 @@ func TestScaledSpec(t *testing.T) {
 	if s.Capacity*s.Scale > MaxExact {
 		t.Errorf("%+v: capacity × scale over 2^53", s)
 	}
+
+	// A capacity near 2^53/100 at 10^6 tokens a second leaves room for a
+	// scale of at most about 140: no convergent of 0.6999993·10^6 is held,
+	// and the finest scale, its refill rounded down, is within 1% below.
+	r, _ = ParseRate("1000000/s")
+	capacity := ScaledCapacity(MaxExact/100, 0.6999993)
+	s, err = ScaledSpec(capacity, r, 0.6999993)
+	if err != nil {
+		t.Fatalf("capacity %d: %v", capacity, err)
+	}
+	target = big.NewRat(6999993, 10)
+	got = perSecond(s)
+	gap, _ = new(big.Rat).Quo(new(big.Rat).Sub(target, got), target).Float64()
+	if got.Cmp(target) > 0 || gap > 0.01 || s.Capacity*s.Scale > MaxExact {
+		t.Errorf("capacity %d: %+v, %s tokens a second, %.2g below the share's %s", capacity, s, got.RatString(), gap, target.RatString())
+	}
 }
