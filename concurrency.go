@@ -93,20 +93,12 @@ func (h *Handler) renewEvery() time.Duration { return time.Duration(h.Concurrenc
 // quarter of renewEvery, so that several tries fit in the half lease that
 // is left.
 func (h *Handler) retryEvery() time.Duration {
-	return max(minRetry, min(h.breakerCooldown(), h.renewEvery()/4))
+	return max(minRetry, min(h.conn.cooldown, h.renewEvery()/4))
 }
 
 // minRetry bounds how often a failed renewal or release is tried again,
 // whatever breaker_cooldown and concurrency_lease are.
 const minRetry = 10 * time.Millisecond
-
-// breakerCooldown is redis.breaker_cooldown, or its default.
-func (h *Handler) breakerCooldown() time.Duration {
-	if h.Redis != nil && h.Redis.BreakerCooldown > 0 {
-		return time.Duration(h.Redis.BreakerCooldown)
-	}
-	return DefaultBreakerCooldown
-}
 
 // renew extends the lease and arms the next renewal, unless the slots
 // were released meanwhile. It holds s.mu throughout, so that release waits
@@ -187,7 +179,7 @@ func (h *Handler) releaseLeased(keys []string, id string) {
 // (conn.hold).
 func (h *Handler) releaseLater(keys []string, id string, deadline time.Time) {
 	defer h.conn.release()
-	every := max(minRetry, h.breakerCooldown()/4)
+	every := max(minRetry, h.conn.cooldown/4)
 	t := time.NewTimer(every)
 	defer t.Stop()
 	for range t.C {

@@ -379,6 +379,10 @@ type conn struct {
 	store   store
 	breaker *gobreaker.CircuitBreaker[struct{}]
 	timeout time.Duration
+	// cooldown is how long the breaker stays open (redis.breaker_cooldown,
+	// or its default): how long a refused call waits before it is tried
+	// again.
+	cooldown time.Duration
 	// users counts what holds the client: 1 for the pool while any handler
 	// has this configuration, plus 1 per request under way. The client is
 	// closed when it falls to 0, so a config reload that drops this
@@ -433,7 +437,7 @@ func acquire(r *resolved, logger *zap.Logger) (*conn, string, error) {
 }
 
 func newConn(r *resolved, logger *zap.Logger) *conn {
-	c := &conn{timeout: r.timeout()}
+	c := &conn{timeout: r.timeout(), cooldown: r.cooldown}
 	c.users.Store(1)
 	switch {
 	case r.cluster:
