@@ -4,7 +4,6 @@ import (
 	"math"
 	"slices"
 	"strconv"
-	"time"
 
 	"github.com/dustin/go-humanize"
 
@@ -137,11 +136,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "quota_timezone":
 			var v string
 			if v, err = oneArg(d); err == nil {
-				if v == "Local" {
-					return d.Errf("invalid quota_timezone %q: the host's own zone; name an IANA time zone, the same on every gateway", v)
-				}
-				if _, lerr := time.LoadLocation(v); lerr != nil {
-					return d.Errf("invalid quota_timezone %q: not an IANA time zone name", v)
+				if zerr := quotaZoneRule(v); zerr != nil {
+					return d.Errf("invalid quota_timezone %q: %v", v, zerr)
 				}
 				h.QuotaTimezone = v
 			}

@@ -306,16 +306,8 @@ func (h *Handler) validate() error {
 	if err := leaseRule(time.Duration(h.ConcurrencyLease)); h.ConcurrencyLease != 0 && err != nil {
 		return fmt.Errorf("concurrency_lease %v: %v", time.Duration(h.ConcurrencyLease), err)
 	}
-	if h.QuotaTimezone == "Local" {
-		// Go's name for the host's own zone: gateways on hosts in other
-		// zones would count their quotas in other windows, each reading
-		// the others' as another window's and resetting it.
-		return fmt.Errorf("quota_timezone %q: the host's own zone; name an IANA time zone, the same on every gateway", h.QuotaTimezone)
-	}
-	if h.QuotaTimezone != "" {
-		if _, err := time.LoadLocation(h.QuotaTimezone); err != nil {
-			return fmt.Errorf("quota_timezone %q: not an IANA time zone name: %v", h.QuotaTimezone, err)
-		}
+	if err := quotaZoneRule(h.QuotaTimezone); h.QuotaTimezone != "" && err != nil {
+		return fmt.Errorf("quota_timezone %q: %v", h.QuotaTimezone, err)
 	}
 	switch h.OnLimit {
 	case "", LimitReject:

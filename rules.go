@@ -57,6 +57,20 @@ func durationRule(d time.Duration) error {
 	return nil
 }
 
+// quotaZoneRule: quota_timezone, an IANA time zone name, not "Local":
+// Go's name for the host's own zone, with which gateways on hosts in other
+// zones would count their quotas in other windows, each reading the
+// others' as another window's and resetting it.
+func quotaZoneRule(name string) error {
+	if name == "Local" {
+		return errors.New("the host's own zone; name an IANA time zone, the same on every gateway")
+	}
+	if _, err := time.LoadLocation(name); err != nil {
+		return fmt.Errorf("not an IANA time zone name: %v", err)
+	}
+	return nil
+}
+
 // leaseRule: concurrency_lease, at least 1ms (leases are counted in
 // milliseconds on the Redis clock).
 func leaseRule(d time.Duration) error {
