@@ -39,7 +39,7 @@ func (s Redis) TakeDemote(ctx context.Context, marker, counter string, rule Demo
 	all = append(append(append(all, marker, counter), keys...), penaltyKeys...)
 	head := string(appendFloats(nil, int64(len(keys)), rule.Denials, rule.Window.Milliseconds(), rule.Span.Milliseconds()))
 	args := appendArgs(append(make([]any, 0, 1+len(takes)+len(penaltyTakes)), head), append(append([]Take(nil), takes...), penaltyTakes...))
-	vals, err := lua.Demote.Run(ctx, s.Client, all, args...).Int64Slice()
+	vals, err := run(ctx, s.Client, lua.Demote, all, args...).Int64Slice()
 	if err != nil {
 		return Decision{}, NotDemoted, 0, fmt.Errorf("running demote script: %w", err)
 	}

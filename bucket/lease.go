@@ -31,7 +31,7 @@ func (s Redis) lease(ctx context.Context, keys []string, id string, lease int64)
 	if len(keys) == 0 {
 		return 0, nil
 	}
-	n, err := lua.Lease.Run(ctx, s.Client, keys, id, strconv.FormatInt(lease, 10)).Int64()
+	n, err := run(ctx, s.Client, lua.Lease, keys, id, strconv.FormatInt(lease, 10)).Int64()
 	if err != nil {
 		return 0, fmt.Errorf("running lease script: %w", err)
 	}
@@ -101,7 +101,7 @@ func (s Redis) Refund(ctx context.Context, keys []string, takes []Take) (int64, 
 	if err := checkTakes(keys, takes); err != nil || len(keys) == 0 {
 		return 0, err
 	}
-	n, err := lua.Refund.Run(ctx, s.Client, keys, appendArgs(nil, takes)...).Int64()
+	n, err := run(ctx, s.Client, lua.Refund, keys, appendArgs(nil, takes)...).Int64()
 	if err != nil {
 		return 0, fmt.Errorf("running refund script: %w", err)
 	}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"strconv"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 
@@ -36,12 +37,46 @@ func (s Redis) Take(ctx context.Context, keys []string, takes []Take) (Decision,
 	if script == nil {
 		script = lua.TokenBucket
 	}
-	vals, err := script.Run(ctx, s.Client, keys, args...).Int64Slice()
+	vals, err := run(ctx, s.Client, script, keys, args...).Int64Slice()
 	if err != nil {
 		return Decision{}, fmt.Errorf("running token bucket script: %w", err)
 	}
 	return ParseReply(vals, takes)
 }
+
+// run runs script as script.Run does (EVALSHA, then EVAL after NOSCRIPT),
+// and runs it again, until ctx ends, while Redis refuses it with TRYAGAIN.
+// A Redis Cluster node sends TRYAGAIN instead of running a command on
+// several keys of a slot that is being migrated, some of whose keys have
+// moved and some not (https://redis.io/docs/latest/operate/oss_and_stack/reference/cluster-spec/#multi-keys-operations):
+// the script did not run, so running it again cannot charge twice, and the
+// refusal lasts only until the slot's keys have moved. The other commands'
+// errors are returned at once, as NoRetry has go-redis do.
+func run(ctx context.Context, c redis.Scripter, script *redis.Script, keys []string, args ...any) *redis.Cmd {
+	wait := tryAgainFirst
+	for {
+		cmd := script.Run(ctx, c, keys, args...)
+		if !redis.IsTryAgainError(cmd.Err()) {
+			return cmd
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return cmd
+		case <-t.C:
+		}
+		wait = min(2*wait, tryAgainMax)
+	}
+}
+
+// The waits between tries of a script refused with TRYAGAIN: 5 ms, then
+// twice as long each time up to 80 ms, about what MIGRATE takes to move a
+// slot's keys.
+const (
+	tryAgainFirst = 5 * time.Millisecond
+	tryAgainMax   = 80 * time.Millisecond
+)
 
 // checkTakes checks that keys and takes pair up, and that a concurrency
 // take that takes a slot names its lease.

@@ -44,7 +44,7 @@ func (s Redis) Settle(ctx context.Context, id string, keys []string, adj []Adjus
 		}
 		args = append(args, string(b))
 	}
-	n, err := lua.Settle.Run(ctx, s.Client, all, args...).Int64()
+	n, err := run(ctx, s.Client, lua.Settle, all, args...).Int64()
 	if err != nil {
 		return false, fmt.Errorf("running settle script: %w", err)
 	}

@@ -2,8 +2,10 @@ package bucket
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 
@@ -34,7 +36,10 @@ type Sharded struct {
 	Client ShardedClient
 }
 
-// Take decides a request like Redis.Take across slots.
+// Take decides a request like Redis.Take across slots. When a group fails
+// (its node down or too slow), the request is not decided: the groups that
+// allowed are refunded, and the error is returned. When the refund of a
+// denial fails, the denial is returned with a *RefundError.
 func (s Sharded) Take(ctx context.Context, keys []string, takes []Take) (Decision, error) {
 	if err := checkTakes(keys, takes); err != nil {
 		return Decision{}, err
@@ -43,6 +48,8 @@ func (s Sharded) Take(ctx context.Context, keys []string, takes []Take) (Decisio
 	if len(groups) == 1 {
 		return Redis{Client: s.Client}.Take(ctx, keys, takes)
 	}
+	refundCtx, cancel := refundContext(ctx)
+	defer cancel()
 	gkeys := make([][]string, len(groups))
 	gtakes := make([][]Take, len(groups))
 	for g, idx := range groups {
@@ -52,25 +59,59 @@ func (s Sharded) Take(ctx context.Context, keys []string, takes []Take) (Decisio
 		}
 	}
 	replies, err := s.runAll(ctx, lua.TokenBucket, gkeys, gtakes)
-	if err != nil {
-		return Decision{}, err
-	}
 	d := Decision{Buckets: make([]Result, len(takes))}
 	parts := make([]Decision, len(groups))
 	for g, idx := range groups {
-		if parts[g], err = ParseReply(replies[g], gtakes[g]); err != nil {
-			return Decision{}, err
+		if replies[g] == nil {
+			continue // failed: parts[g] allows nothing, and is not refunded
+		}
+		var perr error
+		if parts[g], perr = ParseReply(replies[g], gtakes[g]); perr != nil {
+			err = errors.Join(err, perr)
+			continue
 		}
 		for j, i := range idx {
 			d.Buckets[i] = parts[g].Buckets[j]
 		}
 	}
+	if err != nil {
+		// The groups that answered were charged where they allowed, for a
+		// request that is now not decided: give it back, as for a denial.
+		if rerr := s.refund(refundCtx, groups, parts, gkeys, gtakes, &d); rerr != nil {
+			err = errors.Join(err, rerr)
+		}
+		return Decision{}, err
+	}
 	d.summarize()
 	if d.Allowed {
 		return d, nil
 	}
-	return d, s.refund(ctx, groups, parts, gkeys, gtakes, &d)
+	if err := s.refund(refundCtx, groups, parts, gkeys, gtakes, &d); err != nil {
+		return d, &RefundError{Err: err}
+	}
+	return d, nil
 }
+
+// refundContext returns the context for Take's refunds: ctx's values, not
+// its end, and a deadline as far off as ctx's is now. A slot that did not
+// answer may spend ctx's whole time, and the slots that did are refunded
+// all the same.
+func refundContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		return context.WithoutCancel(ctx), func() {}
+	}
+	return context.WithTimeout(context.WithoutCancel(ctx), time.Until(deadline))
+}
+
+// RefundError is returned by Sharded.Take with a denial whose refund of
+// the slots that allowed failed: the denial stands (Redis made it), and
+// those slots keep the charge until it refills, which can deny later
+// requests that would have been allowed, never admit one.
+type RefundError struct{ Err error }
+
+func (e *RefundError) Error() string { return e.Err.Error() }
+func (e *RefundError) Unwrap() error { return e.Err }
 
 // refund gives back the charges of the groups that allowed a request that
 // another group denied, and reports their buckets as uncharged.
@@ -107,8 +148,9 @@ func (s Sharded) refund(ctx context.Context, groups [][]int, parts []Decision,
 }
 
 // runAll runs script once per group in one pipeline and returns the integer
-// replies. Groups that failed with NOSCRIPT (a node restarted or failed
-// over) did not run; they are run again with EVAL.
+// replies, nil for a group that failed, and the groups' errors joined. A group
+// refused with NOSCRIPT (a node restarted or failed over) or TRYAGAIN (its
+// slot is being migrated) did not run, and is run again as run does.
 func (s Sharded) runAll(ctx context.Context, script *redis.Script, gkeys [][]string, gtakes [][]Take) ([][]int64, error) {
 	pipe := s.Client.Pipeline()
 	cmds := make([]*redis.Cmd, len(gkeys))
@@ -117,23 +159,22 @@ func (s Sharded) runAll(ctx context.Context, script *redis.Script, gkeys [][]str
 	}
 	_, _ = pipe.Exec(ctx) // each command's own error is read below
 	out := make([][]int64, len(gkeys))
+	var errs []error
 	for g, cmd := range cmds {
-		if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
-			cmd = script.Run(ctx, s.Client, gkeys[g], appendArgs(nil, gtakes[g])...)
-		}
-		if err := cmd.Err(); err != nil {
-			return nil, fmt.Errorf("running %s on a slot group: %w", scriptName(script), err)
-		}
-		if script == lua.Refund {
-			continue
+		if err := cmd.Err(); redis.HasErrorPrefix(err, "NOSCRIPT") || redis.IsTryAgainError(err) {
+			cmd = run(ctx, s.Client, script, gkeys[g], appendArgs(nil, gtakes[g])...)
 		}
 		vals, err := cmd.Int64Slice()
+		if script == lua.Refund {
+			vals, err = []int64{}, cmd.Err()
+		}
 		if err != nil {
-			return nil, err
+			errs = append(errs, fmt.Errorf("running %s on a slot group: %w", scriptName(script), err))
+			continue
 		}
 		out[g] = vals
 	}
-	return out, nil
+	return out, errors.Join(errs...)
 }
 
 func scriptName(s *redis.Script) string {

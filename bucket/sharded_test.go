@@ -2,6 +2,7 @@ package bucket
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"sync"
 	"testing"
@@ -38,7 +39,7 @@ type shCluster struct {
 	errs   *shErrors
 }
 
-// shErrors counts the MOVED and NOSCRIPT replies the nodes sent the
+// shErrors counts the MOVED, NOSCRIPT and TRYAGAIN replies the nodes sent the
 // cluster client.
 type shErrors struct {
 	mu     sync.Mutex
@@ -49,7 +50,7 @@ func (e *shErrors) note(errs ...error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	for _, err := range errs {
-		for _, prefix := range []string{"MOVED", "NOSCRIPT"} {
+		for _, prefix := range []string{"MOVED", "NOSCRIPT", "TRYAGAIN"} {
 			if redis.HasErrorPrefix(err, prefix) {
 				e.counts[prefix]++
 			}
@@ -262,4 +263,69 @@ func TestShardedOnCluster(t *testing.T) {
 			t.Errorf("%s is served by %s, want %s", kM, n.Addr, to.Addr)
 		}
 	})
+
+	// While a slot is being migrated, a script on two keys of the slot
+	// that are on neither node yet (a new identity) is sent on from the
+	// old node (ASK) and refused by the new one with TRYAGAIN: it did not
+	// run. The store runs it again until the migration ends, then charges
+	// each bucket once: alone, and in a pipeline with a slot on another
+	// node.
+	for _, tc := range []struct {
+		name  string
+		other bool
+	}{{"tryagain_during_migration", false}, {"tryagain_in_a_pipeline", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			kR, kT := c.keyer.Key("user", tc.name, ""), c.keyer.Key("user", tc.name, "tokens")
+			from := c.NodeOf(t, kR)
+			kO := c.keyOn(t, "ip", tc.name, from)
+			to := c.NodeOf(t, kO)
+			slot, _ := client.ClusterKeySlot(ctx, kR).Result()
+			keys, takes := []string{kR, kT}, []Take{{Spec: a, Cost: 1}, {Spec: b, Cost: 2}}
+			if tc.other {
+				keys, takes = append(keys, kO), append(takes, Take{Spec: a, Cost: 3})
+			}
+			must := func(err error) {
+				t.Helper()
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			must(to.Client(t).Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", redistest.NodeID(t, from)).Err())
+			must(from.Client(t).Do(ctx, "CLUSTER", "SETSLOT", slot, "MIGRATING", redistest.NodeID(t, to)).Err())
+
+			refused := c.errs.count("TRYAGAIN")
+			type result struct {
+				d   Decision
+				err error
+			}
+			done := make(chan result, 1)
+			go func() {
+				ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+				defer cancel()
+				d, err := c.store.Take(ctx, keys, takes)
+				done <- result{d, err}
+			}()
+			redistest.WaitFor(t, 5*time.Second, "a TRYAGAIN", func() error {
+				if c.errs.count("TRYAGAIN") == refused {
+					return errors.New("none yet")
+				}
+				return nil
+			})
+			for _, n := range c.Nodes {
+				must(n.Client(t).Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", redistest.NodeID(t, to)).Err())
+			}
+			r := <-done
+			if r.err != nil || !r.d.Allowed || r.d.Buckets[0].Remaining != 9 || r.d.Buckets[1].Remaining != 0 {
+				t.Fatalf("Take during the migration: %+v, %v; want allowed with 9 and 0 left", r.d, r.err)
+			}
+			if tc.other && r.d.Buckets[2].Remaining != 7 {
+				t.Errorf("the bucket on the other node: %d left, want 7", r.d.Buckets[2].Remaining)
+			}
+			for i, k := range keys {
+				if got := c.state(t, k); got.Units/got.Scale != r.d.Buckets[i].Remaining {
+					t.Errorf("%s holds %d tokens, want %d (charged once)", k, got.Units/got.Scale, r.d.Buckets[i].Remaining)
+				}
+			}
+		})
+	}
 }
