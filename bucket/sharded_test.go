@@ -311,7 +311,9 @@ func TestShardedOnCluster(t *testing.T) {
 				}
 				return nil
 			})
-			for _, n := range c.Nodes {
+			// The new owner first, then the old one, as redis-cli does: the
+			// other order has the two send the call to each other (MOVED).
+			for _, n := range append([]*redistest.Server{to, from}, c.Nodes...) {
 				must(n.Client(t).Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", redistest.NodeID(t, to)).Err())
 			}
 			r := <-done
