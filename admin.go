@@ -259,7 +259,10 @@ func (a *AdminAPI) bucket(w http.ResponseWriter, r *http.Request, reset bool) er
 		return err
 	}
 	c := bt.h.conn
-	timeout := max(c.timeout, time.Second) // an operator waits longer than a request
+	if c.hold() { // a reload must not close the client under the call
+		defer c.release()
+	}
+	timeout := c.timeout // the client's read timeout bounds its calls anyway
 	var deleted *bool
 	if reset {
 		var n int64

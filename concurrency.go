@@ -2,9 +2,12 @@ package tokenbucket
 
 import (
 	"context"
+	"errors"
+	"net"
 	"sync"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 
 	"github.com/token-bucket/token_bucket/bucket"
@@ -82,6 +85,30 @@ func (h *Handler) releaseLeases(req *request) {
 		}
 	}
 	s.release()
+}
+
+// unsent reports whether err proves that a call never reached Redis, so
+// took no slot: no connection could be made (a dial error, here or to
+// every Sentinel), none was free in time (redis.ErrPoolTimeout), or the
+// client was closed (redis.ErrClosed). An error joined from several calls
+// (a request's slot groups, a Sentinel's tries) is unsent when each of
+// them is.
+func unsent(err error) bool {
+	for err != nil {
+		if j, ok := err.(interface{ Unwrap() []error }); ok {
+			for _, e := range j.Unwrap() {
+				if !unsent(e) {
+					return false
+				}
+			}
+			return len(j.Unwrap()) > 0
+		}
+		if op, ok := err.(*net.OpError); ok && op.Op == "dial" || err == redis.ErrPoolTimeout || err == redis.ErrClosed {
+			return true
+		}
+		err = errors.Unwrap(err)
+	}
+	return false
 }
 
 // renewEvery is the time between renewals of a lease: half of it, so that

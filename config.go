@@ -149,7 +149,7 @@ func (h *Handler) compile() error {
 	h.tiers, h.deflt = compileTiers(h.Dimensions, h.Tiers, h.DefaultTier, h.LocalShare, h.Shadow)
 	h.modelFirst = h.needsModelFirst()
 	h.leaseMS = time.Duration(h.ConcurrencyLease).Milliseconds()
-	h.windows, h.waiting = new([4]atomic.Pointer[bucket.Windows]), new(atomic.Int64)
+	h.windows = new([4]atomic.Pointer[bucket.Windows])
 	h.quotaLoc = time.UTC
 	if h.QuotaTimezone != "" {
 		h.quotaLoc, _ = time.LoadLocation(h.QuotaTimezone) // validated
@@ -175,10 +175,6 @@ func (h *Handler) compile() error {
 	}
 	if h.OnRedisError == "" {
 		h.OnRedisError = PolicyLocal
-	}
-
-	if h.OnRedisError == PolicyLocal {
-		h.local = bucket.NewLocal(h.LocalBuckets, h.now)
 	}
 	return nil
 }

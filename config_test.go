@@ -109,7 +109,8 @@ func TestJSONConfigMessages(t *testing.T) {
 // TestCompile: the pure step from the configuration to its request-path
 // form, without Redis or a Caddy context: defaults, tiers with their
 // RateLimit-Policy, the lone-placeholder identities, the static cost, the
-// stores.
+// deny cache and the demotion rule. (The local store comes with Provision:
+// see TestLocalStateAcrossReloads.)
 func TestCompile(t *testing.T) {
 	var h Handler
 	if err := json.Unmarshal([]byte(`{
@@ -135,8 +136,8 @@ func TestCompile(t *testing.T) {
 	if h.idSources[0] != (idSource{key: "http.request.header.X-User", header: "X-User"}) || h.idSources[1] != (idSource{}) {
 		t.Errorf("identity sources %+v", h.idSources)
 	}
-	if h.cost != 7 || h.denials != nil || h.local == nil || h.demote != nil {
-		t.Errorf("cost %d, deny cache %v, local store %v, demotion %v", h.cost, h.denials, h.local, h.demote)
+	if h.cost != 7 || h.denials != nil || h.demote != nil {
+		t.Errorf("cost %d, deny cache %v, demotion %v", h.cost, h.denials, h.demote)
 	}
 	if key := h.keyer.Key("user", "alice", ""); !strings.HasPrefix(key, "rl:{user:") {
 		t.Errorf("key %q", key)

@@ -2,6 +2,7 @@ package tokenbucket
 
 import (
 	"context"
+	"errors"
 	"net/http"
 
 	"go.uber.org/zap"
@@ -94,8 +95,14 @@ func (h *Handler) decideRedis(x *exchange) verdict {
 	if held && (err != nil || d.WaitMS == 0) {
 		h.unwait() // not held after all
 	}
-	if err != nil {
+	if err != nil && !errors.As(err, new(*bucket.RefundError)) {
 		return h.decideDegraded(x, err, req)
+	}
+	if err != nil {
+		// Denied by one slot, with the refund of the others failed: the
+		// denial stands, their charge until it refills.
+		h.logger.Warn("refunding a denied request on the other slots failed; their buckets stay charged",
+			zap.Strings("keys", req.keys), zap.Error(err))
 	}
 	if held && d.Reason == bucket.RateLimited { // offered a reservation: see retryAfterWait
 		d = h.retryAfterWait(req, d)
@@ -270,8 +277,13 @@ func (h *Handler) decideDegraded(x *exchange, cause error, reqs ...*request) ver
 	// logged, and only they may have taken slots.
 	if kind != errBreakerOpen {
 		for _, req := range reqs {
-			if req.leases > 0 {
-				go h.releaseLeases(req)
+			// Held for the release, which can outlive the request and its
+			// config (a reload closes the client after the last hold).
+			if req.leases > 0 && !unsent(cause) && h.conn.hold() {
+				go func() {
+					defer h.conn.release()
+					h.releaseLeases(req)
+				}()
 			}
 		}
 		if c := h.logger.Check(zap.WarnLevel, "redis call failed; on_redis_error applies"); c != nil {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -14,10 +16,14 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/sony/gobreaker/v2"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -627,6 +633,102 @@ func TestClusterExactBurstAcrossSlots(t *testing.T) {
 	}
 }
 
+// TestClusterFailedSlotRefunded: a request's user bucket is on one node
+// and its ip bucket on another, which dies. The request cannot be decided
+// (503 by on_redis_error deny), so the user bucket, charged by the node
+// that answered, is given back: six failed requests leave it as one
+// admitted request left it.
+func TestClusterFailedSlotRefunded(t *testing.T) {
+	cluster := redistest.StartCluster(t, 3)
+	rc := &RedisConfig{Address: cluster.Addrs(), Cluster: true, Timeout: caddy.Duration(foTimeout), BreakerFailures: 100}
+	h := provisionHandler(t, foClusterHandler(rc, PolicyDeny, 5, 100))
+	userKey := h.keyer.Key("user", "u1", "")
+	userNode := cluster.NodeOf(t, userKey)
+	ip := ""
+	for i := 0; ip == ""; i++ {
+		if a := "198.51.100." + strconv.Itoa(i); cluster.NodeOf(t, h.keyer.Key("ip", a+"/32", "")) != userNode {
+			ip = a
+		}
+	}
+	ipNode := cluster.NodeOf(t, h.keyer.Key("ip", ip+"/32", ""))
+	if r := serve(h, "X-User", "u1", "X-IP", ip); r.status != http.StatusOK || foRemaining(r)["user"] != "4" {
+		t.Fatalf("first request: %d %v; want 200 with user r=4", r.status, foRemaining(r))
+	}
+	ipNode.Stop()
+	for i := 0; i < 6; i++ {
+		if r := serve(h, "X-User", "u1", "X-IP", ip); r.status != http.StatusServiceUnavailable || !r.degraded {
+			t.Fatalf("request %d with the ip's node down: %d, degraded %v; want 503 by on_redis_error deny", i+1, r.status, r.degraded)
+		}
+	}
+	if got := storedTokens(t, userNode.Client(t), userKey); got != 4 {
+		t.Errorf("user bucket holds %d tokens after 1 admitted request and 6 that failed on the ip's node, want 4", got)
+	}
+}
+
+// TestClusterMasterFailover: the master of alice's slot dies and its
+// replica takes over. The readiness probe reports the cluster unavailable
+// while the slot has no master (every master must answer), and the
+// gateway decides alice's requests on the new master within a couple of
+// seconds of the takeover, not after go-redis's 60 s default reload of the
+// slot map, with alice's bucket as the old master left it.
+func TestClusterMasterFailover(t *testing.T) {
+	timeout := []string{"--cluster-node-timeout", "1000"}
+	cluster := redistest.StartCluster(t, 3, timeout...)
+	rc := func() *RedisConfig {
+		return &RedisConfig{Address: cluster.Addrs(), Cluster: true, Timeout: caddy.Duration(200 * time.Millisecond), BreakerFailures: 1 << 20}
+	}
+	h := provisionHandler(t, foClusterHandler(rc(), PolicyDeny, 5, 100))
+	ready := foReady(t, &Ready{Redis: rc()})
+	key := h.keyer.Key("user", "alice", "")
+	master := cluster.NodeOf(t, key)
+	replica := cluster.AddReplica(t, master, timeout...)
+	for _, want := range []string{"4", "3"} {
+		if r := serveUser(h, "alice"); r.status != http.StatusOK || foRemaining(r)["user"] != want {
+			t.Fatalf("alice before the failover: %d %v; want 200 with user r=%s", r.status, foRemaining(r), want)
+		}
+	}
+	if n, err := master.Client(t).Wait(context.Background(), 1, 5*time.Second).Result(); err != nil || n != 1 {
+		t.Fatalf("WAIT 1: %d, %v", n, err)
+	}
+	if r := serve(ready); r.status != http.StatusOK {
+		t.Fatalf("probe before the failover: %d %s", r.status, r.body)
+	}
+
+	master.Stop()
+	for i := 0; i < 5; i++ { // the cluster takes a node timeout (1 s) to notice
+		if r := serve(ready); r.status != http.StatusServiceUnavailable {
+			t.Errorf("probe %d with a master down: %d %s; want 503", i+1, r.status, r.body)
+		}
+	}
+	rcl := replica.Client(t)
+	redistest.WaitFor(t, 20*time.Second, "the replica to take over", func() error {
+		role, err := rcl.Do(context.Background(), "ROLE").Slice()
+		if err == nil && role[0] != "master" {
+			err = fmt.Errorf("role %v", role[0])
+		}
+		return err
+	})
+	var r served
+	redistest.WaitFor(t, 3*time.Second, "alice decided by the new master", func() error {
+		if r = serveUser(h, "alice"); r.status != http.StatusOK {
+			return fmt.Errorf("%d %s", r.status, r.body)
+		}
+		return nil
+	})
+	if got := foRemaining(r)["user"]; got != "2" {
+		t.Errorf("alice on the new master: user r=%s, want 2", got)
+	}
+	if got := storedTokens(t, rcl, key); got != 2 {
+		t.Errorf("alice's bucket on the new master holds %d tokens, want 2", got)
+	}
+	redistest.WaitFor(t, 3*time.Second, "the probe to report ready", func() error {
+		if r := serve(ready); r.status != http.StatusOK {
+			return fmt.Errorf("%d %s", r.status, r.body)
+		}
+		return nil
+	})
+}
+
 // TestClusterLostReplyNotReplayed loses the reply to a script call in a
 // Redis Cluster: the script ran, the connection closed before its reply
 // came back. go-redis's ClusterClient retries such a command (EOF) even
@@ -1114,5 +1216,159 @@ func foStream(t *testing.T, h *Handler, user string) (end func()) {
 		if err := <-done; err != nil {
 			t.Error(err)
 		}
+	}
+}
+
+// TestLocalStateAcrossReloads: Caddy provisions a reloaded config's
+// handler before it cleans up the old one. While Redis is down, the new
+// handler goes on from the old one's local store (alice, who spent her 3
+// requests, is still denied) and shares its count of held requests; a
+// handler with another key_prefix has its own.
+func TestLocalStateAcrossReloads(t *testing.T) {
+	rc := func() *RedisConfig {
+		return &RedisConfig{Address: []string{"127.0.0.1:" + strconv.Itoa(redistest.FreePort(t))}, Timeout: caddy.Duration(foTimeout)}
+	}
+	down := rc()
+	same := func() *RedisConfig { c := *down; return &c }
+	old := foHandler(same(), PolicyLocal, 3)
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	if err := old.Provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 3; i++ {
+		if r := serveUser(old, "alice"); r.status != http.StatusOK || !r.degraded {
+			t.Fatalf("alice's request %d: %d, degraded %v; want 200 from the local store", i+1, r.status, r.degraded)
+		}
+	}
+	reloaded := provisionHandler(t, foHandler(same(), PolicyLocal, 3))
+	if err := old.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if r := serveUser(reloaded, "alice"); r.status != http.StatusTooManyRequests || !r.degraded {
+		t.Errorf("alice after the reload: %d, degraded %v; want 429 from the local store she spent", r.status, r.degraded)
+	}
+	if reloaded.waiting != old.waiting {
+		t.Error("the reloaded handler counts held requests apart from the old one's")
+	}
+	other := foHandler(same(), PolicyLocal, 3)
+	other.KeyPrefix = "other:"
+	provisionHandler(t, other)
+	if r := serveUser(other, "alice"); r.status != http.StatusOK || !r.degraded {
+		t.Errorf("alice under another key_prefix: %d, degraded %v; want 200 from a store of its own", r.status, r.degraded)
+	}
+	if other.waiting == reloaded.waiting {
+		t.Error("handlers with different key prefixes share a count of held requests")
+	}
+}
+
+// TestReleaseOutlivesItsConfig: alice's call times out while Redis
+// stalls, and the config is unloaded (a reload) before the release of the
+// slot the call may have taken has gone through. The release keeps the
+// Redis client open until it succeeds, once Redis is back; the client is
+// closed after it.
+func TestReleaseOutlivesItsConfig(t *testing.T) {
+	srv := redistest.Start(t)
+	h := foHandler(&RedisConfig{Address: []string{srv.Addr}, Timeout: caddy.Duration(100 * time.Millisecond), BreakerFailures: 100}, PolicyLocal, 1000)
+	h.Tiers[0].Limits = append(h.Tiers[0].Limits, Limit{Dimension: "user", Capacity: 1, Unit: UnitConcurrent})
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	if err := h.Provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if r := serveUser(h, "warm"); !r.fromRedis() {
+		t.Fatalf("warm-up: status %d, not from Redis", r.status)
+	}
+	srv.Pause(t)
+	if r := serveUser(h, "alice"); r.status != http.StatusOK || !r.degraded {
+		t.Fatalf("alice while Redis stalls: status %d, degraded %v; want 200 from the local store", r.status, r.degraded)
+	}
+	if err := h.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if n := h.conn.users.Load(); n < 1 {
+		t.Fatalf("the client has %d users once its config is gone, with a release under way; want it held", n)
+	}
+	srv.Resume(t)
+	cceWaitCard(t, srv.Client(t), cceKey("alice"), 0, "alice's slot, given back after the reload")
+	redistest.WaitFor(t, 10*time.Second, "the client to be closed", func() error {
+		if n := h.conn.users.Load(); n != 0 {
+			return fmt.Errorf("%d users", n)
+		}
+		return nil
+	})
+}
+
+// TestBreakerLogsToNewestConfig: two configs share a Redis client; the
+// breaker's changes are logged by the one that took it last, which is the
+// one loaded now.
+func TestBreakerLogsToNewestConfig(t *testing.T) {
+	r, err := (&RedisConfig{Address: []string{"127.0.0.1:" + strconv.Itoa(redistest.FreePort(t))},
+		Timeout: caddy.Duration(foTimeout), BreakerFailures: 1}).resolve()
+	if err != nil {
+		t.Fatal(err)
+	}
+	coreA, logsA := observer.New(zap.InfoLevel)
+	coreB, logsB := observer.New(zap.InfoLevel)
+	a, key, err := acquire(context.Background(), r, zap.New(coreA))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conns.Delete(key)
+	b, _, err := acquire(context.Background(), r, zap.New(coreB))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conns.Delete(key)
+	if a != b {
+		t.Fatal("the two configs got two clients")
+	}
+	if n := logsA.FilterMessageSnippet("redis is not answering yet").Len(); n != 1 || logsB.Len() != 0 {
+		t.Errorf("startup warnings: %d by the first config, %d entries by the second; want 1 and 0 (pinged once)", n, logsB.Len())
+	}
+	if _, err := b.take(context.Background(), []string{"rl:{user:x}"}, testTakes(t)); err == nil {
+		t.Fatal("a call to no server succeeded")
+	}
+	opened := "redis circuit breaker opened"
+	if a, b := logsA.FilterMessageSnippet(opened).Len(), logsB.FilterMessageSnippet(opened).Len(); a != 0 || b != 1 {
+		t.Errorf("%q logged %d times by the first config and %d by the second; want 0 and 1", opened, a, b)
+	}
+}
+
+// TestUnsent: which failed calls are known never to have reached Redis,
+// so took no concurrency slot to release.
+func TestUnsent(t *testing.T) {
+	dial := &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}
+	read := &net.OpError{Op: "read", Net: "tcp", Err: syscall.ECONNRESET}
+	for _, tc := range []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"dial", dial, true},
+		{"wrapped dial", fmt.Errorf("running token bucket script: %w", dial), true},
+		{"pool timeout", redis.ErrPoolTimeout, true},
+		{"client closed", fmt.Errorf("x: %w", redis.ErrClosed), true},
+		{"every sentinel refused", fmt.Errorf("redis: all sentinels specified in configuration are unreachable: %w", errors.Join(dial, dial)), true},
+		{"two slot groups, one unsent", errors.Join(fmt.Errorf("g0: %w", dial), fmt.Errorf("g1: %w", context.DeadlineExceeded)), false},
+		{"read", read, false},
+		{"timeout", context.DeadlineExceeded, false},
+		{"EOF", io.EOF, false},
+		{"error reply", redis.Nil, false},
+		{"nil", nil, false},
+	} {
+		if got := unsent(tc.err); got != tc.want {
+			t.Errorf("%s (%v): unsent %v, want %v", tc.name, tc.err, got, tc.want)
+		}
+	}
+	// As go-redis reports a refused connection.
+	r, err := (&RedisConfig{Address: []string{"127.0.0.1:" + strconv.Itoa(redistest.FreePort(t))}, Timeout: caddy.Duration(foTimeout)}).resolve()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newConn(r)
+	defer c.Destruct()
+	if _, err := c.take(context.Background(), []string{"rl:{user:x}"}, testTakes(t)); !unsent(err) {
+		t.Errorf("a call to no server: %v, not unsent", err)
 	}
 }

@@ -23,8 +23,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 	"github.com/sony/gobreaker/v2"
-	"go.uber.org/zap"
-	"go.uber.org/zap/zaptest"
 
 	"github.com/caddyserver/caddy/v2"
 
@@ -523,7 +521,7 @@ func TestRedisErrorKind(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		c := newConn(r, testLogger(t))
+		c := newConn(r)
 		defer c.Destruct()
 		_, err = c.take(context.Background(), []string{"rl:{user:x}"}, testTakes(t))
 		return err
@@ -612,8 +610,6 @@ func TestMetricLabelsCarryNoIdentity(t *testing.T) {
 		}
 	}
 }
-
-func testLogger(t *testing.T) *zap.Logger { return zaptest.NewLogger(t) }
 
 // testTakes is one request on one bucket of 10 tokens refilled 1 per
 // second.

@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strconv"
 	"sync/atomic"
 	"time"
 
@@ -217,7 +218,9 @@ type Handler struct {
 	metrics   *handlerMetrics
 	audit     *auditor
 	poolKey   string
-	now       func() time.Time
+	// sharedKeys are the keys of what h holds in shared.
+	sharedKeys []string
+	now        func() time.Time
 	// modelFirst: the request's buckets depend on its model (a limit
 	// scoped by models, or a template naming {http.token_bucket.model}),
 	// so the body is read before they are built.
@@ -257,25 +260,57 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return err
 	}
-	c, key, err := acquire(r, h.logger)
+	c, key, err := acquire(ctx, r, h.logger)
 	if err != nil {
 		return fmt.Errorf("connecting to redis: %w", err)
 	}
 	h.conn, h.poolKey = c, key
+	h.provisionShared()
 	registerHandler(h)
-	if err := c.ping(ctx); err != nil {
-		h.logger.Warn("redis is not answering yet; on_redis_error applies until it does",
-			zap.Strings("address", r.opt.Addrs), zap.Error(err))
-	}
 	return nil
+}
+
+// shared holds what the handlers of one Redis configuration and
+// key_prefix share in this process, and keep across config reloads as
+// their buckets in Redis are kept: the count of requests held by on_limit
+// wait (which each one's max_waiting bounds), and, per local_buckets, the
+// on_redis_error local store, whose buckets would otherwise be full again
+// after every reload during an outage.
+var shared = caddy.NewUsagePool()
+
+// pooled is a value in shared.
+type pooled[T any] struct{ v T }
+
+func (pooled[T]) Destruct() error { return nil }
+
+// provisionShared takes h's waiting count and local store from shared.
+func (h *Handler) provisionShared() {
+	h.waiting = loadShared(h, "waiting", func() *atomic.Int64 { return new(atomic.Int64) })
+	if h.OnRedisError == PolicyLocal {
+		h.local = loadShared(h, "local "+strconv.Itoa(h.LocalBuckets), func() *bucket.Local {
+			return bucket.NewLocal(h.LocalBuckets, h.now)
+		})
+	}
+}
+
+// loadShared returns the value of what (made by make if no other handler
+// holds it) for h's Redis and key_prefix; Cleanup gives it back.
+func loadShared[T any](h *Handler, what string, make func() T) T {
+	key := what + "\x00" + h.poolKey + "\x00" + h.KeyPrefix
+	v, _, _ := shared.LoadOrNew(key, func() (caddy.Destructor, error) { return pooled[T]{make()}, nil })
+	h.sharedKeys = append(h.sharedKeys, key)
+	return v.(pooled[T]).v
 }
 
 // Validate checks the configuration; it has no side effects.
 func (h *Handler) Validate() error { return h.validate() }
 
-// Cleanup releases the shared Redis client.
+// Cleanup gives back the shared Redis client and what h holds in shared.
 func (h *Handler) Cleanup() error {
 	unregisterHandler(h)
+	for _, k := range h.sharedKeys {
+		_, _ = shared.Delete(k)
+	}
 	if h.poolKey == "" {
 		return nil
 	}

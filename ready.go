@@ -18,7 +18,8 @@ func init() {
 }
 
 // Ready is a readiness probe for the rate limiter: it answers 200 with a
-// JSON body when Redis answers a PING within the timeout, and 503 when it
+// JSON body when Redis answers a PING within the timeout (on a Redis
+// Cluster, every master CLUSTER INFO with cluster_state:ok), and 503 when it
 // does not. With AllowDegraded it stays 200, reporting "degraded", for
 // gateways whose on_redis_error policy (local or allow) keeps serving
 // without Redis. It uses the same shared client as token_bucket handlers
@@ -55,7 +56,7 @@ func (rd *Ready) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return err
 	}
-	rd.conn, rd.poolKey, err = acquire(r, rd.logger)
+	rd.conn, rd.poolKey, err = acquire(ctx, r, rd.logger)
 	return err
 }
 
@@ -70,6 +71,9 @@ func (rd *Ready) Cleanup() error {
 
 // ServeHTTP answers the probe; it does not call next.
 func (rd *Ready) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.Handler) error {
+	if rd.conn.hold() { // a reload must not close the client under the probe
+		defer rd.conn.release()
+	}
 	breaker := `","breaker":"` + breakerState(rd.conn.breaker.State()) + `"}` + "\n"
 	if err := rd.conn.ping(r.Context()); err != nil {
 		if rd.AllowDegraded {

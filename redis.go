@@ -390,6 +390,8 @@ type conn struct {
 	// settlement that started before it (a stream can outlive its config
 	// by minutes).
 	users atomic.Int64
+	// logger is the logger of the newest config that took the conn.
+	logger atomic.Pointer[zap.Logger]
 }
 
 // hold counts a request as a user of the client; it returns false when the
@@ -425,23 +427,43 @@ func (c *conn) Destruct() error {
 var conns = caddy.NewUsagePool()
 
 // acquire returns the shared conn for r; release it with conns.Delete(key).
-func acquire(r *resolved, logger *zap.Logger) (*conn, string, error) {
+// The conn logs (its breaker's changes) to logger from now on: to the
+// newest config that uses it. A conn made here pings Redis once and warns
+// when Redis does not answer; one that other handlers share already is not
+// pinged again, so that a config of many handlers loads in one timeout
+// when Redis stalls, not one per handler.
+func acquire(ctx context.Context, r *resolved, logger *zap.Logger) (*conn, string, error) {
 	key := r.key()
-	v, _, err := conns.LoadOrNew(key, func() (caddy.Destructor, error) {
-		return newConn(r, logger), nil
+	v, loaded, err := conns.LoadOrNew(key, func() (caddy.Destructor, error) {
+		return newConn(r), nil
 	})
 	if err != nil {
 		return nil, "", err
 	}
-	return v.(*conn), key, nil
+	c := v.(*conn)
+	c.logger.Store(logger)
+	if loaded {
+		return c, key, nil
+	}
+	if err := c.ping(ctx); err != nil {
+		msg := "redis is not answering yet; on_redis_error applies until it does"
+		if r.opt.MasterName != "" && errors.Is(err, redis.Nil) {
+			msg = "the sentinels do not know this master_name; on_redis_error applies until they do"
+		}
+		logger.Warn(msg, zap.Strings("address", r.opt.Addrs), zap.String("master_name", r.opt.MasterName), zap.Error(err))
+	}
+	return c, key, nil
 }
 
-func newConn(r *resolved, logger *zap.Logger) *conn {
+func newConn(r *resolved) *conn {
 	c := &conn{timeout: r.timeout(), cooldown: r.cooldown}
 	c.users.Store(1)
+	c.logger.Store(zap.NewNop())
 	switch {
 	case r.cluster:
-		cc := redis.NewClusterClient(r.opt.Cluster())
+		co := r.opt.Cluster()
+		co.ClusterStateReloadInterval = clusterStateReload
+		cc := redis.NewClusterClient(co)
 		cc.AddHook(bucket.NoRetry{}) // MaxRetries -1 does not stop its retries
 		c.client = cc
 	case r.opt.MasterName != "":
@@ -472,6 +494,7 @@ func newConn(r *resolved, logger *zap.Logger) *conn {
 		// Runs inside the breaker's lock: it must not call the breaker.
 		OnStateChange: func(_ string, from, to gobreaker.State) {
 			breakerChanged(to)
+			logger := c.logger.Load()
 			addrs := zap.Strings("address", r.opt.Addrs)
 			switch to {
 			case gobreaker.StateOpen:
@@ -582,11 +605,32 @@ func (c *conn) refund(ctx context.Context, keys []string, takes []bucket.Take) e
 	})
 }
 
+// clusterStateReload is how old a Redis Cluster client's map of slots to
+// nodes may get before a request reloads it (in the background, with
+// CLUSTER SLOTS). go-redis reloads it at once after MOVED, ASK or READONLY,
+// but a master that died answers nothing: its slots would go on failing
+// for go-redis's default of 60 s after a replica took them over.
+const clusterStateReload = time.Second
+
 // ping checks that Redis answers within the timeout, whatever the
-// breaker's state.
+// breaker's state. On a Redis Cluster every master must answer and report
+// cluster_state:ok: one that does not fails the requests of its slots.
 func (c *conn) ping(ctx context.Context) error {
 	return c.probe(ctx, c.timeout, func(ctx context.Context) error {
-		return c.client.Ping(ctx).Err()
+		cc, ok := c.client.(*redis.ClusterClient)
+		if !ok {
+			return c.client.Ping(ctx).Err()
+		}
+		return cc.ForEachMaster(ctx, func(ctx context.Context, m *redis.Client) error {
+			info, err := m.ClusterInfo(ctx).Result()
+			if err != nil {
+				return fmt.Errorf("%s: %w", m.Options().Addr, err)
+			}
+			if !strings.Contains(info, "cluster_state:ok\r\n") {
+				return fmt.Errorf("%s: the cluster is down (CLUSTER INFO says no cluster_state:ok)", m.Options().Addr)
+			}
+			return nil
+		})
 	})
 }
 

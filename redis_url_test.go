@@ -9,6 +9,9 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 
@@ -257,4 +260,28 @@ func TestRedisURLDecides(t *testing.T) {
 			t.Errorf("EXISTS %s on the master = %d, %v; want the bucket there", key, n, err)
 		}
 	})
+}
+
+// TestSentinelUnknownMaster: Sentinels that answer but do not know the
+// master name are reported as such at load, naming the master, rather
+// than as unreachable Sentinels.
+func TestSentinelUnknownMaster(t *testing.T) {
+	master := redistest.Start(t)
+	sentinels := redistest.StartSentinels(t, master, 0, 1, redistest.SentinelConfig{
+		MasterName: "tbmaster", Quorum: 1, DownAfter: 5 * time.Second, FailoverTimeout: 10 * time.Second})
+	r, err := (&RedisConfig{Address: []string{sentinels[0].Addr}, Sentinel: "nosuchmaster", Timeout: caddy.Duration(foTimeout)}).resolve()
+	if err != nil {
+		t.Fatal(err)
+	}
+	core, logs := observer.New(zap.WarnLevel)
+	_, key, err := acquire(context.Background(), r, zap.New(core))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conns.Delete(key)
+	entries := logs.All()
+	if len(entries) != 1 || entries[0].Message != "the sentinels do not know this master_name; on_redis_error applies until they do" ||
+		entries[0].ContextMap()["master_name"] != "nosuchmaster" {
+		t.Errorf("load-time warnings: %+v; want one saying the sentinels do not know master_name nosuchmaster", entries)
+	}
 }

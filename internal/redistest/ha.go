@@ -141,15 +141,15 @@ func StartClusterNode(t testing.TB, extra ...string) *Server {
 		"--cluster-port", strconv.Itoa(FreePort(t)), "--cluster-node-timeout", "5000"}, extra...)...)
 }
 
-// StartCluster runs n masters, joins them with redis-cli --cluster create
-// (the slots split evenly) and waits until every node reports
-// cluster_state:ok and knows every other node.
-func StartCluster(t testing.TB, n int) *Cluster {
+// StartCluster runs n masters (each with the extra arguments), joins them
+// with redis-cli --cluster create (the slots split evenly) and waits until
+// every node reports cluster_state:ok and knows every other node.
+func StartCluster(t testing.TB, n int, extra ...string) *Cluster {
 	t.Helper()
 	c := &Cluster{}
 	args := []string{"--cluster", "create"}
 	for i := 0; i < n; i++ {
-		s := StartClusterNode(t)
+		s := StartClusterNode(t, extra...)
 		c.Nodes = append(c.Nodes, s)
 		args = append(args, s.Addr)
 	}
@@ -225,6 +225,38 @@ func (c *Cluster) NodeOf(t testing.TB, key string) *Server {
 	}
 	t.Fatalf("no node serves slot %d of %q", slot, key)
 	return nil
+}
+
+// AddReplica runs a cluster node (with the extra arguments), has it join
+// the cluster as a replica of master and waits until its link to master is
+// up and every node knows it. It is then in Nodes.
+func (c *Cluster) AddReplica(t testing.TB, master *Server, extra ...string) *Server {
+	t.Helper()
+	ctx := context.Background()
+	r := StartClusterNode(t, extra...)
+	rc := r.Client(t)
+	host, port, _ := strings.Cut(master.Addr, ":")
+	bus, err := master.Client(t).ConfigGet(ctx, "cluster-port").Result()
+	if err != nil {
+		t.Fatalf("CONFIG GET cluster-port: %v", err)
+	}
+	if err := rc.Do(ctx, "CLUSTER", "MEET", host, port, bus["cluster-port"]).Err(); err != nil {
+		t.Fatalf("CLUSTER MEET: %v", err)
+	}
+	id := NodeID(t, master)
+	WaitFor(t, 15*time.Second, "the new node to replicate "+master.Addr, func() error {
+		return rc.ClusterReplicate(ctx, id).Err() // fails until the node knows master
+	})
+	WaitFor(t, 15*time.Second, "the replica's link to its master", func() error {
+		v, err := infoField(ctx, rc, "replication", "master_link_status")
+		if err == nil && v != "up" {
+			err = fmt.Errorf("master_link_status:%s", v)
+		}
+		return err
+	})
+	c.Nodes = append(c.Nodes, r)
+	c.WaitOK(t)
+	return r
 }
 
 // NodeID returns the node's cluster id.
