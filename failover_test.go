@@ -1372,3 +1372,34 @@ func TestUnsent(t *testing.T) {
 		t.Errorf("a call to no server: %v, not unsent", err)
 	}
 }
+
+// TestLocalShareCostAboveLocalCapacity: with Redis down, a tokens limit of
+// 1000 decided locally at local_share 0.25 holds 250. A request of cost
+// 600, which Redis would allow, takes the full local bucket, and the next
+// one is rate limited with the wait of 250 tokens at a quarter of 1 an
+// hour, not told cost_exceeds_capacity (which
+// the SDKs take as "do not retry"); a cost above the limit's own capacity
+// is.
+func TestLocalShareCostAboveLocalCapacity(t *testing.T) {
+	h := provisionHandler(t, &Handler{
+		Redis:        &RedisConfig{Address: []string{"127.0.0.1:" + strconv.Itoa(redistest.FreePort(t))}, Timeout: caddy.Duration(foTimeout)},
+		Dimensions:   []Dimension{{Name: "user", Identity: "{http.request.header.X-User}"}},
+		Tiers:        []Tier{{Name: "default", Limits: []Limit{{Dimension: "user", Capacity: 1000, RefillRate: foHour, Unit: UnitTokens}}}},
+		Cost:         "{http.request.header.X-Cost}",
+		LocalShare:   0.25,
+		OnRedisError: PolicyLocal,
+	})
+	for _, tc := range []struct {
+		cost, status int
+		body         string
+	}{
+		{600, http.StatusOK, ""},
+		{600, http.StatusTooManyRequests, `{"error":"rate_limit_exceeded","retry_after":3600000,"retry_after_ms":3600000000,"tier":"default","dimension":"user"}` + "\n"},
+		{1001, http.StatusTooManyRequests, `{"error":"cost_exceeds_capacity","cost":1001,"capacity":1000,"tier":"default","dimension":"user"}` + "\n"},
+	} {
+		r := serve(h, "X-User", "alice", "X-Cost", strconv.Itoa(tc.cost))
+		if r.status != tc.status || !r.degraded || r.body != tc.body {
+			t.Errorf("cost %d: %d, degraded %v, %q; want %d from the local store, %q", tc.cost, r.status, r.degraded, r.body, tc.status, tc.body)
+		}
+	}
+}

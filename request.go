@@ -68,10 +68,23 @@ func (r *request) hasTokens() bool { return r.tokensCap >= 0 }
 func (r *request) localTakes() []bucket.Take {
 	takes := make([]bucket.Take, len(r.takes))
 	for i, t := range r.takes {
-		t.Spec, t.MaxWaitMS = r.limits[i].local, 0 // never held: see on_limit
+		t.Spec, t.Cost, t.MaxWaitMS = r.limits[i].local, r.localCost(i), 0 // never held: see on_limit
 		takes[i] = t
 	}
 	return takes
+}
+
+// localCost is take i's cost in the local store: its cost, or the local
+// capacity for a cost that fits the limit's capacity but not its
+// local_share of it. Such a request takes a full local bucket, as one whose
+// estimate reaches the capacity takes a full bucket in Redis, rather than
+// being told cost_exceeds_capacity (do not retry) for a cost Redis allows.
+func (r *request) localCost(i int) int64 {
+	c, l := r.takes[i].Cost, r.limits[i]
+	if c > l.local.Capacity && c <= l.spec.Capacity {
+		return l.local.Capacity
+	}
+	return c
 }
 
 // inputs are what a request's buckets are built from, each resolved at

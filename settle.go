@@ -218,7 +218,11 @@ func (req *request) adjustments(d *bucket.Decision, used int64, partial, local b
 		if !l.tokens || d.Buckets[i].Reason != bucket.Allowed {
 			continue
 		}
-		delta := used - req.takes[i].Cost
+		charged := req.takes[i].Cost
+		if local {
+			charged = req.localCost(i)
+		}
+		delta := used - charged
 		if partial {
 			delta = max(delta, 0)
 		}
