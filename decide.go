@@ -75,6 +75,25 @@ func (h *Handler) decide(x *exchange, v *verdict) {
 		return
 	}
 	*v = h.decideRedis(x)
+	if v.decided && !v.local && x.r.Context().Err() != nil {
+		h.clientLeft(x, v)
+	}
+}
+
+// clientLeft turns the verdict of a request whose client went away while
+// Redis decided it into that of a request not decided, as for a call
+// canceled before its reply (see decideDegraded): no answer will be read,
+// so what the decision charged is given back (its tokens and slots), and
+// the place it took among max_waiting.
+func (h *Handler) clientLeft(x *exchange, v *verdict) {
+	if v.d.Allowed {
+		h.giveBack(x, v.req, &v.d)
+	}
+	if v.d.WaitMS > 0 {
+		h.unwait()
+	}
+	countRedisError(context.Canceled)
+	*v = verdict{tier: x.tier, gone: true}
 }
 
 // decideRedis decides the request in Redis, under the demotion rule when
@@ -265,7 +284,7 @@ func (h *Handler) decideDemote(x *exchange, store bucket.Redis, id string) verdi
 // That release runs in the background, so that it does not add its own
 // wait to a request already kept waiting by Redis.
 func (h *Handler) decideDegraded(x *exchange, cause error, reqs ...*request) verdict {
-	kind := countRedisError(cause)
+	kind := redisErrorKind(cause) // counted by conn.call
 	if kind == errCanceled && x.r.Context().Err() != nil {
 		for _, req := range reqs {
 			h.releaseLeases(req)

@@ -20,6 +20,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/redis/go-redis/v9"
 	"github.com/sony/gobreaker/v2"
 	"go.uber.org/zap"
@@ -1401,5 +1402,79 @@ func TestLocalShareCostAboveLocalCapacity(t *testing.T) {
 		if r.status != tc.status || !r.degraded || r.body != tc.body {
 			t.Errorf("cost %d: %d, degraded %v, %q; want %d from the local store, %q", tc.cost, r.status, r.degraded, r.body, tc.status, tc.body)
 		}
+	}
+}
+
+// TestClientGoneWhileDecided: alice's client goes away while Redis decides
+// her request (its reply held up by the network), and the reply, an
+// allowance, comes back all the same. No answer will be read: the request
+// is not decided (499, next not called) and what the decision charged, a
+// token and her only concurrency slot, is given back.
+func TestClientGoneWhileDecided(t *testing.T) {
+	for _, pipeline := range []bool{true, false} {
+		t.Run("pipeline_"+strconv.FormatBool(pipeline), func(t *testing.T) { clientGoneWhileDecided(t, pipeline) })
+	}
+}
+
+func clientGoneWhileDecided(t *testing.T, pipeline bool) {
+	srv := redistest.Start(t)
+	proxy := redistest.StartProxy(t)
+	proxy.SetTarget(srv.Addr)
+	h := foHandler(&RedisConfig{Address: []string{proxy.Addr}, Timeout: caddy.Duration(foTimeout), Pipeline: &pipeline}, PolicyDeny, 5)
+	h.Tiers[0].Limits = append(h.Tiers[0].Limits, Limit{Dimension: "user", Capacity: 1, Unit: UnitConcurrent})
+	provisionHandler(t, h)
+	if r := serveUser(h, "alice"); !r.fromRedis() || r.status != http.StatusOK {
+		t.Fatalf("first request: status %d, from Redis %v", r.status, r.fromRedis())
+	}
+	proxy.DelayReplyTo("evalsha", 300*time.Millisecond)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan served, 1)
+	go func() { done <- serveCtx(ctx, h, "192.0.2.1:1234", "X-User", "alice") }()
+	redistest.WaitFor(t, 5*time.Second, "the call to be sent", func() error {
+		if proxy.Armed() {
+			return errors.New("not yet")
+		}
+		return nil
+	})
+	cancel()
+	r := <-done
+	if r.status != statusClientClosedRequest || r.passed {
+		t.Errorf("the request whose client left: status %d, passed on %v; want 499, not passed on", r.status, r.passed)
+	}
+	rdb := srv.Client(t)
+	if got := storedTokens(t, rdb, h.keyer.Key("user", "alice", "")); got != 4 {
+		t.Errorf("alice's bucket holds %d tokens, want 4 (the first request's charge alone)", got)
+	}
+	if n := cceCard(t, rdb, cceKey("alice")); n != 0 {
+		t.Errorf("alice holds %d slots with nothing served, want 0", n)
+	}
+}
+
+// TestEveryFailedCallCounted: redis_errors_total counts every failed call
+// through the breaker by kind, not only decisions: a settlement, a lease's
+// renewal or release and a refund that fail open the breaker too.
+func TestEveryFailedCallCounted(t *testing.T) {
+	r, err := (&RedisConfig{Address: []string{"127.0.0.1:" + strconv.Itoa(redistest.FreePort(t))}, Timeout: caddy.Duration(foTimeout), BreakerFailures: 100}).resolve()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newConn(r)
+	defer c.Destruct()
+	ctx := context.Background()
+	spec := testTakes(t)[0].Spec
+	before := testutil.ToFloat64(tbMetrics.errorChildren[errConnection])
+	calls := map[string]error{
+		"settle":  c.settle(ctx, "req-1", []string{"rl:{user:x}"}, []bucket.Adjust{{Spec: spec, Delta: 1}}),
+		"renew":   func() error { _, err := c.lease(ctx, []string{"rl:{user:x}:concurrent"}, "lease-1", 1000); return err }(),
+		"release": func() error { _, err := c.lease(ctx, []string{"rl:{user:x}:concurrent"}, "lease-1", 0); return err }(),
+		"refund":  c.refund(ctx, []string{"rl:{user:x}"}, testTakes(t)),
+	}
+	for name, err := range calls {
+		if err == nil {
+			t.Errorf("%s against no server succeeded", name)
+		}
+	}
+	if got := testutil.ToFloat64(tbMetrics.errorChildren[errConnection]) - before; got != 4 {
+		t.Errorf("redis_errors_total{kind=\"connection\"} grew by %v for 4 failed calls, want 4", got)
 	}
 }

@@ -78,19 +78,24 @@ func (h *Handler) await(x *exchange, v *verdict) bool {
 		return true
 	case <-x.r.Context().Done():
 	}
-	req := v.req
+	h.giveBack(x, v.req, &v.d)
+	return false
+}
+
+// giveBack refunds what an allowed decision d charged req, for a client
+// that went away before it was served: each bucket's cost, each slot.
+func (h *Handler) giveBack(x *exchange, req *request, d *bucket.Decision) {
 	var keys []string
 	var takes []bucket.Take
-	for i, r := range v.d.Buckets {
+	for i, r := range d.Buckets {
 		if r.Reason == bucket.Allowed && req.takes[i].Cost > 0 {
 			keys, takes = append(keys, req.keys[i]), append(takes, req.takes[i])
 		}
 	}
 	// The client is gone: the refund is the gateway's own call.
 	if err := h.conn.refund(context.WithoutCancel(x.r.Context()), keys, takes); err != nil {
-		h.logger.Warn("giving back the reservation of a client that left failed; its tokens stay charged", zap.Error(err))
+		h.logger.Warn("giving back what a client that left was charged failed; it stays charged", zap.Error(err))
 	}
-	return false
 }
 
 // unwait gives back a place among the requests held by on_limit wait.

@@ -514,13 +514,17 @@ func newConn(r *resolved) *conn {
 // call runs one call to Redis: fn with a deadline of timeout (one budget
 // for pool wait, dial, write and read), through the circuit breaker (while
 // it is open, call fails at once with gobreaker.ErrOpenState and fn does
-// not run), its duration observed in redis_call_duration_seconds. Every
+// not run), its duration observed in redis_call_duration_seconds and its
+// failure counted in redis_errors_total, by kind. Every
 // call of the request path goes through it: decisions, demotions and
 // settlements; probe is the same without the breaker.
 func (c *conn) call(ctx context.Context, timeout time.Duration, fn func(context.Context) error) error {
 	_, err := c.breaker.Execute(func() (struct{}, error) {
 		return struct{}{}, c.probe(ctx, timeout, fn)
 	})
+	if err != nil {
+		countRedisError(err)
+	}
 	return err
 }
 
