@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"syscall"
 	"time"
 
@@ -45,9 +46,10 @@ type collectors struct {
 	// denials counts denied requests by tier and the dimension whose
 	// bucket decided the denial.
 	denials *prometheus.CounterVec
-	// charged counts tokens charged on allowed requests, per bucket, by
-	// tier, dimension and unit (requests, tokens or concurrent; a calendar
-	// quota's as requests-per-day, tokens-per-month, ...).
+	// charged counts tokens charged on allowed requests by tier, dimension
+	// and unit (requests, tokens or concurrent; a calendar quota's as
+	// requests-per-day, tokens-per-month, ...): once per request and
+	// series, however many of its limits (model-scoped, shadow) share it.
 	charged *prometheus.CounterVec
 	// local counts the decisions made without Redis by on_redis_error:
 	// allowed (local store, or policy allow), denied (local store) or
@@ -129,7 +131,7 @@ func newCollectors() *collectors {
 			"Requests denied by token_bucket, by tier and the dimension whose bucket denied.",
 			"tier", "dimension"),
 		charged: counter("tokens_charged_total",
-			"Tokens charged to buckets on allowed requests, by tier, dimension and unit (requests or tokens).",
+			"Tokens charged on allowed requests, by tier, dimension and unit (requests, tokens, concurrent, or a quota's: requests-per-day, tokens-per-month, ...); once per request and series, however many limits (model-scoped, shadow) share it.",
 			"tier", "dimension", "unit"),
 		local: counter("local_decisions_total",
 			"Requests decided without Redis by on_redis_error, by outcome (allowed, denied, unavailable).",
@@ -356,7 +358,7 @@ func (h *Handler) observe(r *http.Request, t *tier, req *request, d *bucket.Deci
 	if m == nil {
 		return
 	}
-	if d.ShadowDenied {
+	if d.ShadowDenied && d.Allowed { // what shadow limits alone would have denied
 		for i, b := range d.Buckets {
 			if b.Shadow && b.Reason != bucket.Allowed {
 				if lm := m.limits[req.limits[i]]; lm.denials != nil {
@@ -368,10 +370,20 @@ func (h *Handler) observe(r *http.Request, t *tier, req *request, d *bucket.Deci
 	}
 	if d.Allowed {
 		m.count(t, outcomeAllowed, local)
+		// The limits of one dimension and unit (a model-scoped or shadow
+		// limit beside another) share a series and charge the same cost:
+		// it is counted once, so that the series is what was admitted.
+		var counted [8]prometheus.Counter
+		n := 0
 		for i, l := range req.limits {
-			if c, lm := req.takes[i].Cost, m.limits[l]; c > 0 && lm.charged != nil && d.Buckets[i].Reason == bucket.Allowed {
-				lm.charged.Add(float64(c))
+			c, lm := req.takes[i].Cost, m.limits[l]
+			if c <= 0 || lm.charged == nil || d.Buckets[i].Reason != bucket.Allowed || slices.Contains(counted[:n], lm.charged) {
+				continue
 			}
+			if n < len(counted) {
+				counted[n], n = lm.charged, n+1
+			}
+			lm.charged.Add(float64(c))
 		}
 		return
 	}

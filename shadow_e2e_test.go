@@ -133,7 +133,9 @@ func TestShadowLimitEndToEnd(t *testing.T) {
 		check{denials, 0},
 		check{decisions(tier, "allowed"), 4},
 		check{decisions(tier, "denied"), 0},
-		check{series("caddy_token_bucket_tokens_charged_total", "tier", tier, "dimension", "api_key", "unit", "requests"), 4 + 2})
+		// The shadow limit shares the enforced one's series: each request
+		// counts once, as admitted.
+		check{series("caddy_token_bucket_tokens_charged_total", "tier", tier, "dimension", "api_key", "unit", "requests"), 4})
 
 	entries := auditEntries(t, logFile)
 	if len(entries) != 1 {
@@ -488,4 +490,28 @@ func TestShadowDenialsDoNotDemote(t *testing.T) {
 	if n := g.rdb.Exists(t.Context(), base+":demoted").Val(); n != 1 {
 		t.Errorf("no demotion marker after the enforced denial")
 	}
+}
+
+// TestShadowDenialsOfAllowedRequestsOnly: an enforced limit of 2 and a
+// shadow limit of 1 of one dimension. The 2nd request is allowed though
+// the shadow limit would deny it: one shadow denial. The 3rd is denied by
+// Redis and the 4th by the deny cache, both by the enforced limit: the
+// shadow limit's verdict is not counted on either, so the count does not
+// depend on which of the two answered. tokens_charged_total, which the two
+// limits share, counts each allowed request once.
+func TestShadowDenialsOfAllowedRequestsOnly(t *testing.T) {
+	tier := uniqueTier("shadowdeny")
+	g := startGateway(t, `respond "not yet"`)
+	loadAudited(t, g, shadowSite(tier, "api_key 2 1/h\n\t\t\tapi_key 1 1/h shadow", ""))
+	shadowDenials := series("caddy_token_bucket_shadow_denials_total", "tier", tier, "dimension", "api_key")
+	before := scrape(t)
+	for i, want := range []int{http.StatusOK, http.StatusOK, http.StatusTooManyRequests, http.StatusTooManyRequests} {
+		if r := g.get("X-API-Key", "sk-shadow-deny"); r.status != want {
+			t.Fatalf("request %d: status %d, want %d", i+1, r.status, want)
+		}
+	}
+	scrape(t).delta(t, before, "after 4 requests",
+		check{shadowDenials, 1},
+		check{series("caddy_token_bucket_denials_total", "tier", tier, "dimension", "api_key"), 2},
+		check{series("caddy_token_bucket_tokens_charged_total", "tier", tier, "dimension", "api_key", "unit", "requests"), 2})
 }
