@@ -635,34 +635,46 @@ func TestClusterExactBurstAcrossSlots(t *testing.T) {
 }
 
 // TestClusterFailedSlotRefunded: a request's user bucket is on one node
-// and its ip bucket on another, which dies. The request cannot be decided
-// (503 by on_redis_error deny), so the user bucket, charged by the node
-// that answered, is given back: six failed requests leave it as one
-// admitted request left it.
+// and its ip bucket on another, which dies, or stalls. The request cannot
+// be decided (503 by on_redis_error deny), so the user bucket, charged by
+// the node that answered, is given back: six failed requests leave it as
+// one admitted request left it. (A stalled node also makes go-redis's
+// cluster pipeline give up on every command of the pipeline when its
+// retry outlives the context: the answered ones keep their replies.)
 func TestClusterFailedSlotRefunded(t *testing.T) {
-	cluster := redistest.StartCluster(t, 3)
-	rc := &RedisConfig{Address: cluster.Addrs(), Cluster: true, Timeout: caddy.Duration(foTimeout), BreakerFailures: 100}
-	h := provisionHandler(t, foClusterHandler(rc, PolicyDeny, 5, 100))
-	userKey := h.keyer.Key("user", "u1", "")
-	userNode := cluster.NodeOf(t, userKey)
-	ip := ""
-	for i := 0; ip == ""; i++ {
-		if a := "198.51.100." + strconv.Itoa(i); cluster.NodeOf(t, h.keyer.Key("ip", a+"/32", "")) != userNode {
-			ip = a
-		}
-	}
-	ipNode := cluster.NodeOf(t, h.keyer.Key("ip", ip+"/32", ""))
-	if r := serve(h, "X-User", "u1", "X-IP", ip); r.status != http.StatusOK || foRemaining(r)["user"] != "4" {
-		t.Fatalf("first request: %d %v; want 200 with user r=4", r.status, foRemaining(r))
-	}
-	ipNode.Stop()
-	for i := 0; i < 6; i++ {
-		if r := serve(h, "X-User", "u1", "X-IP", ip); r.status != http.StatusServiceUnavailable || !r.degraded {
-			t.Fatalf("request %d with the ip's node down: %d, degraded %v; want 503 by on_redis_error deny", i+1, r.status, r.degraded)
-		}
-	}
-	if got := storedTokens(t, userNode.Client(t), userKey); got != 4 {
-		t.Errorf("user bucket holds %d tokens after 1 admitted request and 6 that failed on the ip's node, want 4", got)
+	for _, tc := range []struct {
+		name string
+		fail func(t *testing.T, s *redistest.Server)
+	}{
+		{"killed", func(_ *testing.T, s *redistest.Server) { s.Stop() }},
+		{"stalled", func(t *testing.T, s *redistest.Server) { s.Pause(t); t.Cleanup(func() { s.Resume(t) }) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cluster := redistest.StartCluster(t, 3)
+			rc := &RedisConfig{Address: cluster.Addrs(), Cluster: true, Timeout: caddy.Duration(300 * time.Millisecond), BreakerFailures: 100}
+			h := provisionHandler(t, foClusterHandler(rc, PolicyDeny, 5, 100))
+			userKey := h.keyer.Key("user", "u1", "")
+			userNode := cluster.NodeOf(t, userKey)
+			ip := ""
+			for i := 0; ip == ""; i++ {
+				if a := "198.51.100." + strconv.Itoa(i); cluster.NodeOf(t, h.keyer.Key("ip", a+"/32", "")) != userNode {
+					ip = a
+				}
+			}
+			ipNode := cluster.NodeOf(t, h.keyer.Key("ip", ip+"/32", ""))
+			if r := serve(h, "X-User", "u1", "X-IP", ip); r.status != http.StatusOK || foRemaining(r)["user"] != "4" {
+				t.Fatalf("first request: %d %v; want 200 with user r=4", r.status, foRemaining(r))
+			}
+			tc.fail(t, ipNode)
+			for i := 0; i < 6; i++ {
+				if r := serve(h, "X-User", "u1", "X-IP", ip); r.status != http.StatusServiceUnavailable || !r.degraded {
+					t.Fatalf("request %d with the ip's node down: %d, degraded %v; want 503 by on_redis_error deny", i+1, r.status, r.degraded)
+				}
+			}
+			if got := storedTokens(t, userNode.Client(t), userKey); got != 4 {
+				t.Errorf("user bucket holds %d tokens after 1 admitted request and 6 that failed on the ip's node, want 4", got)
+			}
+		})
 	}
 }
 

@@ -450,6 +450,10 @@ type batchCmd struct {
 // NoRetry keeps go-redis from sending the command, or its batch, again.
 func (*batchCmd) NoRetry() bool { return true }
 
+// SetErr sets err, unless the command holds its reply already: see
+// keepReply.
+func (c *batchCmd) SetErr(err error) { keepReply(c.Cmd, err) }
+
 // newBatchCmd returns a command with go-redis's arguments for name (EVAL,
 // EVALSHA and their _RO forms): the script or its SHA1, the number of
 // keys, the keys, then args (a single []string or []any argument is

@@ -57,6 +57,23 @@ type noRetryCmd struct{ *redis.Cmd }
 
 func (noRetryCmd) NoRetry() bool { return true }
 
+// SetErr sets err, unless the command holds its reply already: see
+// keepReply.
+func (c noRetryCmd) SetErr(err error) { keepReply(c.Cmd, err) }
+
+// keepReply sets err on c unless c holds a reply already. When a Redis
+// Cluster pipeline's retry outlives its context (a node stalled, so no
+// connection to it could be had in time), go-redis v9 sets the context's
+// error on every command of the pipeline, also on those another node had
+// answered: their scripts ran, and their callers must read what they
+// charged (to refund it), not a failure.
+func keepReply(c *redis.Cmd, err error) {
+	if err != nil && c.Err() == nil && c.Val() != nil {
+		return
+	}
+	c.SetErr(err)
+}
+
 func noRetry(cmd redis.Cmder) redis.Cmder {
 	c, ok := cmd.(*redis.Cmd)
 	if !ok || !strings.HasPrefix(cmd.Name(), "eval") {

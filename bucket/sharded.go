@@ -48,8 +48,7 @@ func (s Sharded) Take(ctx context.Context, keys []string, takes []Take) (Decisio
 	if len(groups) == 1 {
 		return Redis{Client: s.Client}.Take(ctx, keys, takes)
 	}
-	refundCtx, cancel := refundContext(ctx)
-	defer cancel()
+	budget := refundBudget(ctx)
 	gkeys := make([][]string, len(groups))
 	gtakes := make([][]Take, len(groups))
 	for g, idx := range groups {
@@ -77,7 +76,7 @@ func (s Sharded) Take(ctx context.Context, keys []string, takes []Take) (Decisio
 	if err != nil {
 		// The groups that answered were charged where they allowed, for a
 		// request that is now not decided: give it back, as for a denial.
-		if rerr := s.refund(refundCtx, groups, parts, gkeys, gtakes, &d); rerr != nil {
+		if rerr := s.refund(ctx, budget, groups, parts, gkeys, gtakes, &d); rerr != nil {
 			err = errors.Join(err, rerr)
 		}
 		return Decision{}, err
@@ -86,22 +85,22 @@ func (s Sharded) Take(ctx context.Context, keys []string, takes []Take) (Decisio
 	if d.Allowed {
 		return d, nil
 	}
-	if err := s.refund(refundCtx, groups, parts, gkeys, gtakes, &d); err != nil {
+	if err := s.refund(ctx, budget, groups, parts, gkeys, gtakes, &d); err != nil {
 		return d, &RefundError{Err: err}
 	}
 	return d, nil
 }
 
-// refundContext returns the context for Take's refunds: ctx's values, not
-// its end, and a deadline as far off as ctx's is now. A slot that did not
-// answer may spend ctx's whole time, and the slots that did are refunded
-// all the same.
-func refundContext(ctx context.Context) (context.Context, context.CancelFunc) {
+// refundBudget is how long Take's refunds may take: as long as ctx has
+// left when Take starts (0: no deadline). A slot that did not answer may
+// spend ctx's whole time, and the slots that did are refunded all the
+// same.
+func refundBudget(ctx context.Context) time.Duration {
 	deadline, ok := ctx.Deadline()
 	if !ok {
-		return context.WithoutCancel(ctx), func() {}
+		return 0
 	}
-	return context.WithTimeout(context.WithoutCancel(ctx), time.Until(deadline))
+	return max(time.Millisecond, time.Until(deadline))
 }
 
 // RefundError is returned by Sharded.Take with a denial whose refund of
@@ -114,8 +113,9 @@ func (e *RefundError) Error() string { return e.Err.Error() }
 func (e *RefundError) Unwrap() error { return e.Err }
 
 // refund gives back the charges of the groups that allowed a request that
-// another group denied, and reports their buckets as uncharged.
-func (s Sharded) refund(ctx context.Context, groups [][]int, parts []Decision,
+// another group denied (or that failed), and reports their buckets as
+// uncharged. It runs within budget from now, whether ctx has ended or not.
+func (s Sharded) refund(ctx context.Context, budget time.Duration, groups [][]int, parts []Decision,
 	gkeys [][]string, gtakes [][]Take, d *Decision) error {
 	var rkeys [][]string
 	var rtakes [][]Take
@@ -141,6 +141,11 @@ func (s Sharded) refund(ctx context.Context, groups [][]int, parts []Decision,
 	if len(rkeys) == 0 {
 		return nil
 	}
+	ctx, cancel := context.WithoutCancel(ctx), context.CancelFunc(func() {})
+	if budget > 0 {
+		ctx, cancel = context.WithTimeout(ctx, budget)
+	}
+	defer cancel()
 	if _, err := s.runAll(ctx, lua.Refund, rkeys, rtakes); err != nil {
 		return fmt.Errorf("refunding a request denied on another slot: %w", err)
 	}
