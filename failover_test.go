@@ -1312,39 +1312,64 @@ func TestReleaseOutlivesItsConfig(t *testing.T) {
 	})
 }
 
-// TestBreakerLogsToNewestConfig: two configs share a Redis client; the
-// breaker's changes are logged by the one that took it last, which is the
-// one loaded now.
+// TestBreakerLogsToNewestConfig: configs that share a Redis client log
+// its breaker's changes through the newest of them still loaded. Config B
+// takes the client and then fails to load (Caddy cleans it up): A goes on
+// logging. Config C replaces A: C logs from then on.
 func TestBreakerLogsToNewestConfig(t *testing.T) {
 	r, err := (&RedisConfig{Address: []string{"127.0.0.1:" + strconv.Itoa(redistest.FreePort(t))},
-		Timeout: caddy.Duration(foTimeout), BreakerFailures: 1}).resolve()
+		Timeout: caddy.Duration(foTimeout), BreakerFailures: 1, BreakerCooldown: caddy.Duration(50 * time.Millisecond)}).resolve()
 	if err != nil {
 		t.Fatal(err)
 	}
-	coreA, logsA := observer.New(zap.InfoLevel)
-	coreB, logsB := observer.New(zap.InfoLevel)
-	a, key, err := acquire(context.Background(), r, zap.New(coreA))
-	if err != nil {
-		t.Fatal(err)
+	type config struct {
+		logger *zap.Logger
+		logs   *observer.ObservedLogs
 	}
-	defer conns.Delete(key)
-	b, _, err := acquire(context.Background(), r, zap.New(coreB))
-	if err != nil {
-		t.Fatal(err)
+	load := func() (config, *conn, string) {
+		core, logs := observer.New(zap.InfoLevel)
+		cfg := config{zap.New(core), logs}
+		c, key, err := acquire(context.Background(), r, cfg.logger)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return cfg, c, key
 	}
-	defer conns.Delete(key)
-	if a != b {
+	unload := func(cfg config, c *conn, key string) {
+		c.dropLogger(cfg.logger)
+		if _, err := conns.Delete(key); err != nil {
+			t.Fatal(err)
+		}
+	}
+	const opened = "redis circuit breaker opened"
+	a, c, key := load()
+	b, cb, _ := load()
+	if cb != c {
 		t.Fatal("the two configs got two clients")
 	}
-	if n := logsA.FilterMessageSnippet("redis is not answering yet").Len(); n != 1 || logsB.Len() != 0 {
-		t.Errorf("startup warnings: %d by the first config, %d entries by the second; want 1 and 0 (pinged once)", n, logsB.Len())
+	if n := a.logs.FilterMessageSnippet("redis is not answering yet").Len(); n != 1 || b.logs.Len() != 0 {
+		t.Errorf("startup warnings: %d by the first config, %d entries by the second; want 1 and 0 (pinged once)", n, b.logs.Len())
 	}
-	if _, err := b.take(context.Background(), []string{"rl:{user:x}"}, testTakes(t)); err == nil {
+	unload(b, c, key) // its load failed
+	if _, err := c.take(context.Background(), []string{"rl:{user:x}"}, testTakes(t)); err == nil {
 		t.Fatal("a call to no server succeeded")
 	}
-	opened := "redis circuit breaker opened"
-	if a, b := logsA.FilterMessageSnippet(opened).Len(), logsB.FilterMessageSnippet(opened).Len(); a != 0 || b != 1 {
-		t.Errorf("%q logged %d times by the first config and %d by the second; want 0 and 1", opened, a, b)
+	if na, nb := a.logs.FilterMessageSnippet(opened).Len(), b.logs.FilterMessageSnippet(opened).Len(); na != 1 || nb != 0 {
+		t.Errorf("%q logged %d times by the loaded config and %d by the one whose load failed; want 1 and 0", opened, na, nb)
+	}
+
+	cfgC, _, _ := load()
+	unload(a, c, key) // replaced by C
+	defer unload(cfgC, c, key)
+	redistest.WaitFor(t, 10*time.Second, "the breaker to open again after its cooldown", func() error {
+		_, _ = c.take(context.Background(), []string{"rl:{user:x}"}, testTakes(t))
+		if cfgC.logs.FilterMessageSnippet(opened).Len() == 0 {
+			return errors.New("not yet")
+		}
+		return nil
+	})
+	if n := a.logs.FilterMessageSnippet(opened).Len(); n != 1 {
+		t.Errorf("%q logged %d times by the replaced config, want 1 (before it was replaced)", opened, n)
 	}
 }
 
@@ -1402,6 +1427,8 @@ func TestLocalShareCostAboveLocalCapacity(t *testing.T) {
 		LocalShare:   0.25,
 		OnRedisError: PolicyLocal,
 	})
+	charged := tbMetrics.charged.WithLabelValues("default", "user", UnitTokens)
+	before := testutil.ToFloat64(charged)
 	for _, tc := range []struct {
 		cost, status int
 		body         string
@@ -1414,6 +1441,9 @@ func TestLocalShareCostAboveLocalCapacity(t *testing.T) {
 		if r.status != tc.status || !r.degraded || r.body != tc.body {
 			t.Errorf("cost %d: %d, degraded %v, %q; want %d from the local store, %q", tc.cost, r.status, r.degraded, r.body, tc.status, tc.body)
 		}
+	}
+	if got := testutil.ToFloat64(charged) - before; got != 250 {
+		t.Errorf("tokens_charged_total grew by %v, want 250 (what the local store charged)", got)
 	}
 }
 

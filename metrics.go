@@ -336,6 +336,18 @@ func (h *Handler) provisionObservability(ctx caddy.Context) error {
 	return nil
 }
 
+// chargedBefore reports whether a limit of req before i, allowed by d, is
+// counted in series: observe's check for a request of more series than it
+// keeps on the stack.
+func (m *handlerMetrics) chargedBefore(req *request, d *bucket.Decision, i int, series prometheus.Counter) bool {
+	for j := range i {
+		if m.limits[req.limits[j]].charged == series && req.takes[j].Cost > 0 && d.Buckets[j].Reason == bucket.Allowed {
+			return true
+		}
+	}
+	return false
+}
+
 // count counts a request's outcome; local marks a decision made by
 // on_redis_error.
 func (m *handlerMetrics) count(t *tier, o outcome, local bool) {
@@ -377,11 +389,16 @@ func (h *Handler) observe(r *http.Request, t *tier, req *request, d *bucket.Deci
 		n := 0
 		for i, l := range req.limits {
 			c, lm := req.takes[i].Cost, m.limits[l]
+			if local {
+				c = req.localCost(i) // what the local store charged
+			}
 			if c <= 0 || lm.charged == nil || d.Buckets[i].Reason != bucket.Allowed || slices.Contains(counted[:n], lm.charged) {
 				continue
 			}
 			if n < len(counted) {
 				counted[n], n = lm.charged, n+1
+			} else if m.chargedBefore(req, d, i, lm.charged) {
+				continue
 			}
 			lm.charged.Add(float64(c))
 		}

@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"regexp"
 	"slices"
@@ -21,6 +22,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/redis/go-redis/v9"
 	"github.com/sony/gobreaker/v2"
 
@@ -729,5 +731,34 @@ func TestDashboardQueriesExistingMetrics(t *testing.T) {
 	}
 	if seen == 0 {
 		t.Error("the dashboard queries no token_bucket metric")
+	}
+}
+
+// TestChargedOncePerSeries: a request of 11 limits on 10 series (more than
+// observe keeps on the stack), the 11th sharing the 10th's series, as a
+// model-scoped limit beside an unscoped one does: each series grows by the
+// request's cost once.
+func TestChargedOncePerSeries(t *testing.T) {
+	m := &handlerMetrics{limits: map[*limit]limitMetrics{}}
+	series := make([]prometheus.Counter, 10)
+	req := &request{}
+	var results []bucket.Result
+	for i := range 11 {
+		if i < len(series) {
+			series[i] = prometheus.NewCounter(prometheus.CounterOpts{Name: "charged_" + strconv.Itoa(i)})
+		}
+		l := &limit{}
+		m.limits[l] = limitMetrics{charged: series[min(i, len(series)-1)]}
+		req.limits = append(req.limits, l)
+		req.takes = append(req.takes, bucket.Take{Cost: 7})
+		results = append(results, bucket.Result{Reason: bucket.Allowed})
+	}
+	d := bucket.Summarize(results)
+	h := &Handler{metrics: m}
+	h.observe(httptest.NewRequest(http.MethodGet, "/", nil), &tier{}, req, &d, false)
+	for i, c := range series {
+		if got := testutil.ToFloat64(c); got != 7 {
+			t.Errorf("series %d: %v, want 7", i, got)
+		}
 	}
 }

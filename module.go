@@ -314,6 +314,7 @@ func (h *Handler) Cleanup() error {
 	if h.poolKey == "" {
 		return nil
 	}
+	h.conn.dropLogger(h.logger)
 	_, err := conns.Delete(h.poolKey)
 	return err
 }

@@ -65,6 +65,7 @@ func (rd *Ready) Cleanup() error {
 	if rd.poolKey == "" {
 		return nil
 	}
+	rd.conn.dropLogger(rd.logger)
 	_, err := conns.Delete(rd.poolKey)
 	return err
 }

@@ -9,7 +9,9 @@ import (
 	"fmt"
 	"net/url"
 	"os"
+	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -390,8 +392,38 @@ type conn struct {
 	// settlement that started before it (a stream can outlive its config
 	// by minutes).
 	users atomic.Int64
-	// logger is the logger of the newest config that took the conn.
-	logger atomic.Pointer[zap.Logger]
+	// loggers are the loggers of the configs that hold the conn, oldest
+	// first; it logs to the newest. A config being loaded takes the conn
+	// before the one it replaces lets go of it, and one whose load fails
+	// lets go again.
+	loggersMu sync.Mutex
+	loggers   []*zap.Logger
+}
+
+// addLogger adds the logger of a config that takes the conn.
+func (c *conn) addLogger(l *zap.Logger) {
+	c.loggersMu.Lock()
+	defer c.loggersMu.Unlock()
+	c.loggers = append(c.loggers, l)
+}
+
+// dropLogger removes the logger of a config that lets go of the conn.
+func (c *conn) dropLogger(l *zap.Logger) {
+	c.loggersMu.Lock()
+	defer c.loggersMu.Unlock()
+	if i := slices.Index(c.loggers, l); i >= 0 {
+		c.loggers = slices.Delete(c.loggers, i, i+1)
+	}
+}
+
+// log returns the logger of the newest config that holds the conn.
+func (c *conn) log() *zap.Logger {
+	c.loggersMu.Lock()
+	defer c.loggersMu.Unlock()
+	if len(c.loggers) == 0 {
+		return zap.NewNop()
+	}
+	return c.loggers[len(c.loggers)-1]
 }
 
 // hold counts a request as a user of the client; it returns false when the
@@ -426,9 +458,9 @@ func (c *conn) Destruct() error {
 // conns shares one conn per distinct Redis configuration.
 var conns = caddy.NewUsagePool()
 
-// acquire returns the shared conn for r; release it with conns.Delete(key).
-// The conn logs (its breaker's changes) to logger from now on: to the
-// newest config that uses it. A conn made here pings Redis once and warns
+// acquire returns the shared conn for r; release it with c.dropLogger and
+// conns.Delete(key). The conn logs (its breaker's changes) to logger from
+// now on: to the newest config that holds it. A conn made here pings Redis once and warns
 // when Redis does not answer; one that other handlers share already is not
 // pinged again, so that a config of many handlers loads in one timeout
 // when Redis stalls, not one per handler.
@@ -441,7 +473,7 @@ func acquire(ctx context.Context, r *resolved, logger *zap.Logger) (*conn, strin
 		return nil, "", err
 	}
 	c := v.(*conn)
-	c.logger.Store(logger)
+	c.addLogger(logger)
 	if loaded {
 		return c, key, nil
 	}
@@ -458,7 +490,6 @@ func acquire(ctx context.Context, r *resolved, logger *zap.Logger) (*conn, strin
 func newConn(r *resolved) *conn {
 	c := &conn{timeout: r.timeout(), cooldown: r.cooldown}
 	c.users.Store(1)
-	c.logger.Store(zap.NewNop())
 	switch {
 	case r.cluster:
 		co := r.opt.Cluster()
@@ -494,7 +525,7 @@ func newConn(r *resolved) *conn {
 		// Runs inside the breaker's lock: it must not call the breaker.
 		OnStateChange: func(_ string, from, to gobreaker.State) {
 			breakerChanged(to)
-			logger := c.logger.Load()
+			logger := c.log()
 			addrs := zap.Strings("address", r.opt.Addrs)
 			switch to {
 			case gobreaker.StateOpen:
