@@ -168,8 +168,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			var v string
 			if v, err = oneArg(d); err == nil {
 				dur, perr := caddy.ParseDuration(v)
-				if perr != nil || leaseRule(dur) != nil {
-					return d.Errf("invalid concurrency_lease %q: %v", v, leaseRule(0))
+				if perr != nil || millisRule(dur) != nil {
+					return d.Errf("invalid concurrency_lease %q: %v", v, millisRule(0))
 				}
 				h.ConcurrencyLease = caddy.Duration(dur)
 			}
@@ -310,12 +310,12 @@ func (h *Handler) unmarshalDemote(d *caddyfile.Dispenser) error {
 		return d.Errf("invalid demote denials %q: %v", args[1], errPositive)
 	}
 	within, err := caddy.ParseDuration(args[4])
-	if err != nil || durationRule(within) != nil {
-		return d.Errf("invalid demote window %q: %v", args[4], errDuration)
+	if err != nil || millisRule(within) != nil {
+		return d.Errf("invalid demote window %q: %v", args[4], millisRule(0))
 	}
 	span, err := caddy.ParseDuration(args[9])
-	if err != nil || durationRule(span) != nil {
-		return d.Errf("invalid demote duration %q: %v", args[9], errDuration)
+	if err != nil || millisRule(span) != nil {
+		return d.Errf("invalid demote duration %q: %v", args[9], millisRule(0))
 	}
 	dm.Denials, dm.Within, dm.Tier, dm.For = n, caddy.Duration(within), args[7], caddy.Duration(span)
 	h.Demote = dm
@@ -333,6 +333,8 @@ func (h *Handler) unmarshalSettle(d *caddyfile.Dispenser) error {
 	h.Settle = &Settle{}
 	switch {
 	case len(args) == 0:
+	case len(args) == 2 && args[0] == "header" && args[1] == "":
+		return emptyErr(d, "settle header")
 	case len(args) == 2 && args[0] == "header":
 		h.Settle.Header = args[1]
 	default:
@@ -364,8 +366,10 @@ func (h *Handler) unmarshalSettle(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-// oneArgOrBlock reads exactly one argument that may be followed by a block.
+// oneArgOrBlock reads exactly one argument, not empty, that may be
+// followed by a block.
 func oneArgOrBlock(d *caddyfile.Dispenser) (string, error) {
+	name := d.Val()
 	if !d.NextArg() {
 		return "", d.ArgErr()
 	}
@@ -373,7 +377,16 @@ func oneArgOrBlock(d *caddyfile.Dispenser) (string, error) {
 	if d.NextArg() {
 		return "", d.ArgErr()
 	}
+	if v == "" {
+		return "", emptyErr(d, name)
+	}
 	return v, nil
+}
+
+// emptyErr reports an empty value (""), which would otherwise read as the
+// subdirective left out: its default, silently.
+func emptyErr(d *caddyfile.Dispenser, name string) error {
+	return d.Errf("%s: an empty value; leave the subdirective out for its default", name)
 }
 
 func (h *Handler) stringField(name string) *string {
@@ -436,6 +449,9 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 	switch len(args) {
 	case 0:
 	case 1:
+		if args[0] == "" {
+			return emptyErr(d, "redis")
+		}
 		h.Redis.URL = args[0]
 	default:
 		return argErr(d, "redis", args, "at most one URL")
@@ -452,6 +468,9 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 			h.Redis.Address = d.RemainingArgs()
 			if len(h.Redis.Address) == 0 {
 				return argErr(d, "address", nil, "one or more <host:port>")
+			}
+			if slices.Contains(h.Redis.Address, "") {
+				return emptyErr(d, "address")
 			}
 		case "username", "password", "sentinel", "sentinel_password", "tls_ca", "tls_server_name":
 			v, err := oneArg(d)
@@ -477,6 +496,9 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 			case "db":
 				h.Redis.DB = n
 			case "pool_size":
+				if err := poolSizeRule(n); err != nil {
+					return d.Errf("invalid redis pool_size %q: %v", v, err)
+				}
 				h.Redis.PoolSize = n
 			case "breaker_failures":
 				h.Redis.BreakerFailures = n
@@ -623,12 +645,16 @@ func (c *RedisConfig) stringField(name string) *string {
 	panic("stringField: no redis field " + name)
 }
 
-// oneArg reads the one argument of the subdirective at the cursor.
+// oneArg reads the one argument, not empty, of the subdirective at the
+// cursor.
 func oneArg(d *caddyfile.Dispenser) (string, error) {
 	name := d.Val()
 	args := d.RemainingArgs()
 	if len(args) != 1 {
 		return "", argErr(d, name, args, "one value")
+	}
+	if args[0] == "" {
+		return "", emptyErr(d, name)
 	}
 	return args[0], nil
 }

@@ -299,7 +299,7 @@ func (h *Handler) validate() error {
 			}
 		}
 	}
-	if err := leaseRule(time.Duration(h.ConcurrencyLease)); h.ConcurrencyLease != 0 && err != nil {
+	if err := millisRule(time.Duration(h.ConcurrencyLease)); h.ConcurrencyLease != 0 && err != nil {
 		return fmt.Errorf("concurrency_lease %v: %v", time.Duration(h.ConcurrencyLease), err)
 	}
 	if err := quotaZoneRule(h.QuotaTimezone); h.QuotaTimezone != "" && err != nil {
@@ -309,6 +309,9 @@ func (h *Handler) validate() error {
 	case "", LimitReject:
 		if h.MaxWait != 0 {
 			return fmt.Errorf("max_wait %v: only with on_limit wait", time.Duration(h.MaxWait))
+		}
+		if h.MaxWaiting != 0 {
+			return fmt.Errorf("max_waiting %d: only with on_limit wait", h.MaxWaiting)
 		}
 	case LimitWait:
 		if err := maxWaitRule(time.Duration(h.MaxWait)); err != nil {
@@ -468,8 +471,8 @@ func staticCost(cost string) (int64, error) {
 	if cost == "" {
 		return 1, nil
 	}
-	if strings.Contains(cost, "{") {
-		return -1, nil
+	if i := strings.IndexByte(cost, '{'); i >= 0 && strings.IndexByte(cost[i+1:], '}') > 0 {
+		return -1, nil // a placeholder: evaluated per request
 	}
 	return parseCost(cost)
 }

@@ -43,6 +43,20 @@ func TestConfigMessages(t *testing.T) {
 		{"settle_unknown", freeTier + "cost estimate\nsettle {\n\tusage\n}", `unknown settle option "usage"`},
 		{"settle_header_twice", freeTier + "cost estimate\nsettle header X-A {\n\theader X-B\n}", `duplicate settle option "header"`},
 		{"pool_size_negative", freeTier + "redis {\n\tpool_size -1\n}", `invalid redis pool_size "-1": must be a whole number ≥ 0 (0: the default)`},
+		{"pool_size_too_large", freeTier + "redis {\n\tpool_size 1000000000000\n}", `invalid redis pool_size "1000000000000": must be a whole number from 0 (the default) to 10000`},
+		{"demote_window_under_1ms", "tier free {\n\tuser 1 1/h\n}\ntier pen {\n\tuser 1 1/h\n}\ndemote after 2 denials within 999us to tier pen for 1m",
+			`invalid demote window "999us": must be a duration of at least 1ms`},
+		{"demote_for_under_1ms", "tier free {\n\tuser 1 1/h\n}\ntier pen {\n\tuser 1 1/h\n}\ndemote after 2 denials within 1m to tier pen for 999us",
+			`invalid demote duration "999us": must be a duration of at least 1ms`},
+		{"max_waiting_without_wait", freeTier + "max_waiting 5", "max_waiting 5: only with on_limit wait"},
+		{"cost_brace_without_placeholder", freeTier + `cost "5{"`, `cost "5{": must be an integer`},
+		{"empty_on_redis_error", freeTier + `on_redis_error ""`, "on_redis_error: an empty value; leave the subdirective out for its default"},
+		{"empty_key_secret", freeTier + `key_secret ""`, "key_secret: an empty value"},
+		{"empty_cost", freeTier + `cost ""`, "cost: an empty value"},
+		{"empty_settle_header", freeTier + "cost estimate\nsettle header \"\"", "settle header: an empty value"},
+		{"empty_redis_url", freeTier + `redis ""`, "redis: an empty value"},
+		{"empty_redis_address", freeTier + "redis {\n\taddress \"\"\n}", "address: an empty value"},
+		{"empty_tokenizer", freeTier + "cost estimate {\n\ttokenizer \"\"\n}", "tokenizer: an empty value"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := parseBlock(tc.block)
@@ -88,10 +102,15 @@ func TestJSONConfigMessages(t *testing.T) {
 			"estimate.max_body 4294967296: must be a size from 1B to 1GiB (1073741824 bytes)"},
 		{"default_max_tokens", `"estimate":{"default_max_tokens":-1}`,
 			"estimate.default_max_tokens -1: must be an integer from 1 to 9007199254740991"},
-		{"pool_size", `"redis":{"pool_size":-1}`, "redis.pool_size -1: must be a whole number ≥ 0 (0: the default); the default is go-redis's, 10 per CPU"},
+		{"pool_size", `"redis":{"pool_size":-1}`, "redis.pool_size -1: must be a whole number from 0 (the default) to 10000; the default is go-redis's, 10 per CPU"},
+		{"pool_size_too_large", `"redis":{"pool_size":1000000000000}`, "redis.pool_size 1000000000000: must be a whole number from 0 (the default) to 10000"},
 		{"breaker_failures", `"redis":{"breaker_failures":-2}`, "redis.breaker_failures -2: must be a whole number ≥ 0 (0: the default); the default is 5"},
 		{"error_format", `"error_format":"OpenAI"`, `error_format "OpenAI": must be json, openai or anthropic`},
 		{"include_usage", `"settle":{"include_usage":true}`, "settle.include_usage needs estimate"},
+		{"demote_for_under_1ms", `"tiers":[{"name":"free","limits":[{"dimension":"user","capacity":1,"refill_rate":1}]},{"name":"pen","limits":[{"dimension":"user","capacity":1,"refill_rate":1}]}],"demote":{"denials":2,"within":60000000000,"tier":"pen","for":1}`,
+			"demote.for 1ns: must be a duration of at least 1ms"},
+		{"empty_address", `"redis":{"address":[""]}`, `redis.address [""]: an address is empty`},
+		{"max_waiting_without_wait", `"max_waiting":5`, "max_waiting 5: only with on_limit wait"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var h Handler

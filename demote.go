@@ -48,10 +48,10 @@ func (d *Demote) validate(h *Handler) error {
 	switch {
 	case positiveRule(d.Denials) != nil:
 		return fmt.Errorf("demote.denials %d: %v", d.Denials, errPositive)
-	case durationRule(time.Duration(d.Within)) != nil:
-		return fmt.Errorf("demote.within %v: %v", time.Duration(d.Within), errDuration)
-	case durationRule(time.Duration(d.For)) != nil:
-		return fmt.Errorf("demote.for %v: %v", time.Duration(d.For), errDuration)
+	case millisRule(time.Duration(d.Within)) != nil: // the script counts milliseconds
+		return fmt.Errorf("demote.within %v: %v", time.Duration(d.Within), millisRule(0))
+	case millisRule(time.Duration(d.For)) != nil:
+		return fmt.Errorf("demote.for %v: %v", time.Duration(d.For), millisRule(0))
 	case h.Redis != nil && h.Redis.Cluster:
 		return errors.New("demote: not supported with redis cluster")
 	}

@@ -139,8 +139,10 @@ func (c *RedisConfig) validate() error {
 		return fmt.Errorf("redis.db %d: %v", c.DB, errNonNegative)
 	case c.Timeout != 0 && durationRule(time.Duration(c.Timeout)) != nil:
 		return fmt.Errorf("redis.timeout %v: %v", time.Duration(c.Timeout), errDuration)
-	case nonNegativeRule(c.PoolSize) != nil:
-		return fmt.Errorf("redis.pool_size %d: %v; the default is go-redis's, 10 per CPU", c.PoolSize, errNonNegative)
+	case slices.Contains(c.Address, ""):
+		return fmt.Errorf("redis.address %q: an address is empty", c.Address)
+	case poolSizeRule(c.PoolSize) != nil:
+		return fmt.Errorf("redis.pool_size %d: %v; the default is go-redis's, 10 per CPU", c.PoolSize, poolSizeRule(c.PoolSize))
 	case nonNegativeRule(c.BreakerFailures) != nil:
 		return fmt.Errorf("redis.breaker_failures %d: %v; the default is %d", c.BreakerFailures, errNonNegative, DefaultBreakerFailures)
 	case c.BreakerCooldown != 0 && durationRule(time.Duration(c.BreakerCooldown)) != nil:
@@ -290,7 +292,14 @@ func (c *RedisConfig) resolve() (*resolved, error) {
 	if len(c.Address) > 0 {
 		o.Addrs = make([]string, len(c.Address))
 		for i, a := range c.Address {
-			o.Addrs[i] = repl.ReplaceKnown(a, "")
+			// An empty address would be go-redis's default, localhost:6379:
+			// an unset variable must not send the limits to whatever Redis
+			// listens there.
+			addr, err := repl.ReplaceOrErr(a, true, true)
+			if err != nil {
+				return nil, fmt.Errorf("redis.address %q: %v", a, err)
+			}
+			o.Addrs[i] = addr
 		}
 	}
 	if c.Sentinel != "" {
@@ -466,7 +475,15 @@ var conns = caddy.NewUsagePool()
 // when Redis stalls, not one per handler.
 func acquire(ctx context.Context, r *resolved, logger *zap.Logger) (*conn, string, error) {
 	key := r.key()
-	v, loaded, err := conns.LoadOrNew(key, func() (caddy.Destructor, error) {
+	v, loaded, err := conns.LoadOrNew(key, func() (c caddy.Destructor, err error) {
+		// A panic here would leave the pool's entry locked, and the next
+		// load of the same settings (holding Caddy's config lock) waiting
+		// on it for good: go-redis panics on options it cannot take.
+		defer func() {
+			if p := recover(); p != nil {
+				c, err = nil, fmt.Errorf("redis: creating the client: %v", p)
+			}
+		}()
 		return newConn(r), nil
 	})
 	if err != nil {

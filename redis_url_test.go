@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -283,5 +284,32 @@ func TestSentinelUnknownMaster(t *testing.T) {
 	if len(entries) != 1 || entries[0].Message != "the sentinels do not know this master_name; on_redis_error applies until they do" ||
 		entries[0].ContextMap()["master_name"] != "nosuchmaster" {
 		t.Errorf("load-time warnings: %+v; want one saying the sentinels do not know master_name nosuchmaster", entries)
+	}
+}
+
+// TestRedisAddressPlaceholderUnset: an address whose placeholder is unset
+// fails at load, naming it, instead of going to go-redis's default,
+// localhost:6379.
+func TestRedisAddressPlaceholderUnset(t *testing.T) {
+	_, err := (&RedisConfig{Address: []string{"{env.TB_TEST_UNSET_ADDR}"}}).resolve()
+	if err == nil || !strings.Contains(err.Error(), `redis.address "{env.TB_TEST_UNSET_ADDR}"`) {
+		t.Errorf("resolve: %v; want an error naming the address", err)
+	}
+}
+
+// TestAcquirePanicFails: options go-redis panics on (validation keeps them
+// out; this is the guard behind it) fail acquire with an error, every time:
+// a panic inside the shared pool's constructor would leave its entry
+// locked, and the next config load with the same settings waiting on it
+// for good.
+func TestAcquirePanicFails(t *testing.T) {
+	r, err := (&RedisConfig{Address: []string{"127.0.0.1:" + strconv.Itoa(redistest.FreePort(t))}, PoolSize: 1 << 40}).resolve()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 2; i++ {
+		if _, _, err := acquire(context.Background(), r, zap.NewNop()); err == nil || !strings.Contains(err.Error(), "redis: creating the client") {
+			t.Fatalf("acquire %d: %v; want the client's creation to fail", i+1, err)
+		}
 	}
 }

@@ -71,9 +71,23 @@ func quotaZoneRule(name string) error {
 	return nil
 }
 
-// leaseRule: concurrency_lease, at least 1ms (leases are counted in
-// milliseconds on the Redis clock).
-func leaseRule(d time.Duration) error {
+// MaxPoolSize bounds redis.pool_size: Redis's own default maxclients.
+// (go-redis sizes its pool's bookkeeping by it, and panics above 2^31-1.)
+const MaxPoolSize = 10000
+
+// poolSizeRule: redis.pool_size, from 0 (go-redis's default) to
+// MaxPoolSize.
+func poolSizeRule(n int) error {
+	if n < 0 || n > MaxPoolSize {
+		return fmt.Errorf("must be a whole number from 0 (the default) to %d", MaxPoolSize)
+	}
+	return nil
+}
+
+// millisRule: a duration that Redis counts in milliseconds, at least 1ms:
+// concurrency_lease, and demote's within and for (a PX of 0 is an error,
+// a PEXPIRE of 0 a deletion).
+func millisRule(d time.Duration) error {
 	if d < time.Millisecond {
 		return errors.New("must be a duration of at least 1ms")
 	}
