@@ -10,6 +10,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"golang.org/x/net/http/httpguts"
+
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/token-bucket/token_bucket/bucket"
@@ -287,8 +289,8 @@ func (h *Handler) validate() error {
 	if h.Estimate != nil && h.Cost != "" {
 		return fmt.Errorf("cost %q and estimate: set one, not both", h.Cost)
 	}
-	if h.Settle != nil && strings.ContainsAny(h.Settle.Header, " :\r\n") {
-		return fmt.Errorf("settle.header %q: not a header name", h.Settle.Header)
+	if h.Settle != nil && h.Settle.Header != "" && !httpguts.ValidHeaderFieldName(h.Settle.Header) {
+		return fmt.Errorf("settle.header %q: not a header name (RFC 9110 section 5.1: a token)", h.Settle.Header)
 	}
 	if h.Estimate == nil {
 		for i, t := range h.Tiers {

@@ -54,6 +54,8 @@ func TestConfigMessages(t *testing.T) {
 		{"empty_key_secret", freeTier + `key_secret ""`, "key_secret: an empty value"},
 		{"empty_cost", freeTier + `cost ""`, "cost: an empty value"},
 		{"empty_settle_header", freeTier + "cost estimate\nsettle header \"\"", "settle header: an empty value"},
+		{"settle_header_not_a_token", freeTier + "cost estimate\nsettle header X(Y)", `settle.header "X(Y)": not a header name`},
+		{"settle_header_non_ascii", freeTier + "cost estimate\nsettle header X-Ü", `settle.header "X-Ü": not a header name`},
 		{"empty_redis_url", freeTier + `redis ""`, "redis: an empty value"},
 		{"empty_redis_address", freeTier + "redis {\n\taddress \"\"\n}", "address: an empty value"},
 		{"empty_tokenizer", freeTier + "cost estimate {\n\ttokenizer \"\"\n}", "tokenizer: an empty value"},
@@ -160,5 +162,23 @@ func TestCompile(t *testing.T) {
 	}
 	if key := h.keyer.Key("user", "alice", ""); !strings.HasPrefix(key, "rl:{user:") {
 		t.Errorf("key %q", key)
+	}
+}
+
+// TestReadyCaddyfileErrors: token_bucket_ready rejects what token_bucket
+// rejects: a repeated subdirective, an unknown one.
+func TestReadyCaddyfileErrors(t *testing.T) {
+	for _, tc := range []struct{ name, block, want string }{
+		{"allow_degraded_twice", "allow_degraded\nallow_degraded", `duplicate subdirective "allow_degraded"`},
+		{"redis_twice", "redis redis://127.0.0.1:1\nredis redis://127.0.0.1:2", `duplicate subdirective "redis"`},
+		{"unknown", "degraded_ok", `unknown subdirective "degraded_ok"`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var rd Ready
+			err := rd.UnmarshalCaddyfile(caddyfile.NewTestDispenser("token_bucket_ready {\n" + tc.block + "\n}"))
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("error %v\nwant it to contain %s", err, tc.want)
+			}
+		})
 	}
 }

@@ -117,6 +117,9 @@ func (rd *Ready) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if d.NextArg() {
 				return d.ArgErr()
 			}
+			if rd.AllowDegraded {
+				return d.Errf("duplicate subdirective %q", "allow_degraded")
+			}
 			rd.AllowDegraded = true
 		default:
 			return d.Errf("unknown subdirective %q", d.Val())

@@ -306,6 +306,9 @@ func (c *RedisConfig) resolve() (*resolved, error) {
 		o.MasterName = c.Sentinel
 	}
 	if c.SentinelPassword != "" {
+		if o.MasterName == "" {
+			return nil, errors.New("redis.sentinel_password: only with Sentinels (sentinel, or a url with master_name)")
+		}
 		o.SentinelPassword = repl.ReplaceKnown(c.SentinelPassword, "")
 	}
 	if c.Username != "" {

@@ -134,6 +134,8 @@ func TestRedisURLErrors(t *testing.T) {
 		{"master_name_empty", RedisConfig{URL: "redis://:s3cret@s1:26379?master_name="},
 			"redis.url: master_name is empty"},
 		{"scheme", RedisConfig{URL: "http://:s3cret@cache:6379"}, `redis.url: scheme "http": must be redis or rediss`},
+		{"sentinel_password_without_sentinels", RedisConfig{URL: "redis://cache:6379", SentinelPassword: "s3cret"},
+			"redis.sentinel_password: only with Sentinels (sentinel, or a url with master_name)"},
 		{"unix_socket", RedisConfig{URL: "unix:///run/redis.sock"}, `redis.url: scheme "unix": must be redis or rediss`},
 		{"unknown_option", RedisConfig{URL: "redis://:s3cret@cache:6379?dial_timeout=1s&s3cret=1"},
 			"redis.url: redis: unexpected option: xxxxx"},
