@@ -306,8 +306,8 @@ func (h *Handler) unmarshalDemote(d *caddyfile.Dispenser) error {
 		return d.Errf("invalid demote %q: demote [<dimension>] after <n> denials within <duration> to tier <name> for <duration>", args)
 	}
 	n, err := strconv.ParseInt(args[1], 10, 64)
-	if err != nil || positiveRule(n) != nil {
-		return d.Errf("invalid demote denials %q: %v", args[1], errPositive)
+	if err != nil || countRule(n) != nil {
+		return d.Errf("invalid demote denials %q: %v", args[1], countRule(0))
 	}
 	within, err := caddy.ParseDuration(args[4])
 	if err != nil || millisRule(within) != nil {

@@ -49,6 +49,8 @@ func TestConfigMessages(t *testing.T) {
 		{"demote_for_under_1ms", "tier free {\n\tuser 1 1/h\n}\ntier pen {\n\tuser 1 1/h\n}\ndemote after 2 denials within 1m to tier pen for 999us",
 			`invalid demote duration "999us": must be a duration of at least 1ms`},
 		{"max_waiting_without_wait", freeTier + "max_waiting 5", "max_waiting 5: only with on_limit wait"},
+		{"demote_denials_beyond_2^53", "tier free {\n\tuser 1 1/h\n}\ntier pen {\n\tuser 1 1/h\n}\ndemote after 9007199254740993 denials within 1m to tier pen for 1m",
+			`invalid demote denials "9007199254740993": must be an integer from 1 to 9007199254740991`},
 		{"cost_brace_without_placeholder", freeTier + `cost "5{"`, `cost "5{": must be an integer`},
 		{"empty_on_redis_error", freeTier + `on_redis_error ""`, "on_redis_error: an empty value; leave the subdirective out for its default"},
 		{"empty_key_secret", freeTier + `key_secret ""`, "key_secret: an empty value"},

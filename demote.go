@@ -46,8 +46,8 @@ func (d *Demote) validate(h *Handler) error {
 		return nil
 	}
 	switch {
-	case positiveRule(d.Denials) != nil:
-		return fmt.Errorf("demote.denials %d: %v", d.Denials, errPositive)
+	case countRule(d.Denials) != nil:
+		return fmt.Errorf("demote.denials %d: %v", d.Denials, countRule(d.Denials))
 	case millisRule(time.Duration(d.Within)) != nil: // the script counts milliseconds
 		return fmt.Errorf("demote.within %v: %v", time.Duration(d.Within), millisRule(0))
 	case millisRule(time.Duration(d.For)) != nil:

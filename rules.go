@@ -118,6 +118,15 @@ func maxBodyRule(n int64) error {
 	return nil
 }
 
+// countRule: demote's denials, 1 to MaxCost: a count that a JSON number
+// holds exactly, so that a Caddyfile and its adapted JSON agree.
+func countRule(n int64) error {
+	if n < 1 || n > MaxCost {
+		return fmt.Errorf("must be an integer from 1 to %d", int64(MaxCost))
+	}
+	return nil
+}
+
 // budgetRule: estimate.default_max_tokens, 1 to MaxCost tokens.
 func budgetRule(n int64) error {
 	if n < 1 || n > MaxCost {
