@@ -262,11 +262,10 @@ func (a *AdminAPI) bucket(w http.ResponseWriter, r *http.Request, reset bool) er
 	if c.hold() { // a reload must not close the client under the call
 		defer c.release()
 	}
-	timeout := c.timeout // the client's read timeout bounds its calls anyway
 	var deleted *bool
 	if reset {
 		var n int64
-		err := c.probe(r.Context(), timeout, func(ctx context.Context) (err error) {
+		err := c.probe(r.Context(), func(ctx context.Context) (err error) {
 			n, err = c.client.Del(ctx, bt.key).Result()
 			return err
 		})
@@ -280,7 +279,7 @@ func (a *AdminAPI) bucket(w http.ResponseWriter, r *http.Request, reset bool) er
 			zap.String("dimension", bt.limit.dimension), zap.String("key", bt.key), zap.Bool("deleted", d))
 	}
 	var st bucketState
-	err = c.probe(r.Context(), timeout, func(ctx context.Context) (err error) {
+	err = c.probe(r.Context(), func(ctx context.Context) (err error) {
 		st, err = peek(ctx, c, bt.key, bt.take())
 		return err
 	})

@@ -238,7 +238,7 @@ func (h *Handler) decideDemote(x *exchange, store bucket.Redis, id string) verdi
 	req.decidedAt = h.now().UnixMicro()
 	preq.decidedAt = req.decidedAt
 	held := h.reserve(req, preq)
-	err = h.conn.call(x.r.Context(), h.conn.timeout, func(ctx context.Context) error {
+	err = h.conn.call(x.r.Context(), func(ctx context.Context) error {
 		var err error
 		d, state, _, err = store.TakeDemote(ctx, base+":demoted", base+":denials", h.demote.rule,
 			req.keys, req.takes, preq.keys, preq.takes)

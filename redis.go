@@ -562,16 +562,16 @@ func newConn(r *resolved) *conn {
 	return c
 }
 
-// call runs one call to Redis: fn with a deadline of timeout (one budget
-// for pool wait, dial, write and read), through the circuit breaker (while
+// call runs one call to Redis: fn with a deadline of the timeout
+// (redis.timeout: one budget for pool wait, dial, write and read), through the circuit breaker (while
 // it is open, call fails at once with gobreaker.ErrOpenState and fn does
 // not run), its duration observed in redis_call_duration_seconds and its
 // failure counted in redis_errors_total, by kind. Every
 // call of the request path goes through it: decisions, demotions and
 // settlements; probe is the same without the breaker.
-func (c *conn) call(ctx context.Context, timeout time.Duration, fn func(context.Context) error) error {
+func (c *conn) call(ctx context.Context, fn func(context.Context) error) error {
 	_, err := c.breaker.Execute(func() (struct{}, error) {
-		return struct{}{}, c.probe(ctx, timeout, fn)
+		return struct{}{}, c.probe(ctx, fn)
 	})
 	if err != nil {
 		countRedisError(err)
@@ -583,8 +583,8 @@ func (c *conn) call(ctx context.Context, timeout time.Duration, fn func(context.
 // that must tell Redis's own state even while the breaker is open: the
 // readiness probe and the admin API's reads and resets. Their outcome does
 // not move the breaker.
-func (c *conn) probe(ctx context.Context, timeout time.Duration, fn func(context.Context) error) error {
-	ctx, cancel := context.WithTimeout(ctx, timeout)
+func (c *conn) probe(ctx context.Context, fn func(context.Context) error) error {
+	ctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()
 	defer observeRedisCall(time.Now())
 	return fn(ctx)
@@ -592,7 +592,7 @@ func (c *conn) probe(ctx context.Context, timeout time.Duration, fn func(context
 
 // take decides a request in Redis.
 func (c *conn) take(ctx context.Context, keys []string, takes []bucket.Take) (d bucket.Decision, err error) {
-	err = c.call(ctx, c.timeout, func(ctx context.Context) error {
+	err = c.call(ctx, func(ctx context.Context) error {
 		d, err = c.store.Take(ctx, keys, takes)
 		return err
 	})
@@ -610,7 +610,7 @@ func (c *conn) settle(ctx context.Context, id string, keys []string, adj []bucke
 	if !ok {
 		return nil
 	}
-	return c.call(ctx, c.timeout, func(ctx context.Context) error {
+	return c.call(ctx, func(ctx context.Context) error {
 		_, err := s.Settle(ctx, id, keys, adj)
 		return err
 	})
@@ -631,7 +631,7 @@ func (c *conn) lease(ctx context.Context, keys []string, id string, lease int64)
 	if !ok {
 		return 0, nil
 	}
-	err = c.call(ctx, c.timeout, func(ctx context.Context) error {
+	err = c.call(ctx, func(ctx context.Context) error {
 		if lease > 0 {
 			held, err = l.Renew(ctx, keys, id, lease)
 		} else {
@@ -654,7 +654,7 @@ func (c *conn) refund(ctx context.Context, keys []string, takes []bucket.Take) e
 	if !ok {
 		return nil
 	}
-	return c.call(ctx, c.timeout, func(ctx context.Context) error {
+	return c.call(ctx, func(ctx context.Context) error {
 		_, err := r.Refund(ctx, keys, takes)
 		return err
 	})
@@ -671,7 +671,7 @@ const clusterStateReload = time.Second
 // breaker's state. On a Redis Cluster every master must answer and report
 // cluster_state:ok: one that does not fails the requests of its slots.
 func (c *conn) ping(ctx context.Context) error {
-	return c.probe(ctx, c.timeout, func(ctx context.Context) error {
+	return c.probe(ctx, func(ctx context.Context) error {
 		cc, ok := c.client.(*redis.ClusterClient)
 		if !ok {
 			return c.client.Ping(ctx).Err()
