@@ -41,14 +41,15 @@ func (h *Handler) build(x *exchange, w http.ResponseWriter, r *http.Request) {
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	*x = exchange{inputs: inputs{w: w, r: r, repl: repl}}
 	if h.modelFirst {
-		_ = x.readCost(h) // an error is price's to answer, when it needs the cost
+		_ = x.readCost(h) // an error is decide's to answer, before any bucket
 	}
 	x.tier = h.resolveTier(repl)
 	x.req = h.bucketsOf(&x.inputs, x.tier)
 }
 
 // decide decides the request's buckets and returns the verdict, in this
-// order: no bucket (skipped); a requests limit the deny cache knows to deny
+// order: a body that cannot be read when the buckets depend on its model
+// (invalid); no bucket (skipped); a requests limit the deny cache knows to deny
 // (before the body is read, so a client retrying in a loop costs no
 // parsing); the tokens cost (an invalid body or cost); a tokens limit the
 // deny cache knows to deny; Redis, under the demotion rule when there is
@@ -60,6 +61,15 @@ func (h *Handler) build(x *exchange, w http.ResponseWriter, r *http.Request) {
 // the 8 KiB stack a connection's goroutine starts with (see denyHeaders).
 func (h *Handler) decide(x *exchange, v *verdict) {
 	t, req := x.tier, x.req
+	if h.modelFirst && x.costErr != nil {
+		// The buckets depend on the model, which a body that cannot be
+		// read does not give: built without it, they would leave out
+		// every limit scoped by models, and a dimension or tier named by
+		// the model, while the upstream may read the body after all
+		// ("max_tokens":"50" is 50 to a lenient parser).
+		*v = invalidVerdict(t, x.costErr)
+		return
+	}
 	if len(req.takes) == 0 {
 		*v = verdict{outcome: outcomeSkipped, tier: t}
 		return

@@ -795,3 +795,64 @@ func TestAdminBucketModel(t *testing.T) {
 	r := lg.post("/v1/chat/completions", modelChat("gpt-4o", 1000), "X-API-Key", apiKey)
 	wantItems(t, "after the reset", r.header, "api_key-tokens", 93000, "api_key-tokens@gpt-4o|gpt-4.1*", 19000)
 }
+
+// TestModelBucketsNeedAReadableBody: when the buckets depend on the model
+// (a limit scoped by models, a dimension naming
+// {http.token_bucket.model}), a body the estimate cannot read is answered
+// 400 invalid_body before any bucket: built without its model the request
+// would pass every scoped limit, while a lenient upstream reads the same
+// body after all (pydantic reads "max_tokens":"50" as 50, and any
+// upstream takes a body over max_body). Neither the upstream nor Redis
+// sees such a request, and a readable one is still limited.
+func TestModelBucketsNeedAReadableBody(t *testing.T) {
+	invalid := []struct{ name, body string }{
+		{"budget_string", `{"model":"gpt-4o","messages":[],"max_tokens":"50"}`},
+		{"budget_float", `{"model":"gpt-4o","messages":[],"max_tokens":50.0}`},
+		{"not_json", `hello`},
+		{"over_max_body", `{"model":"gpt-4o","messages":[{"role":"user","content":"` + strings.Repeat("a", 2048) + `"}]}`},
+		{"too_deep", `{"model":"gpt-4o","x":` + strings.Repeat("[", 130) + strings.Repeat("]", 130) + `}`},
+	}
+	for _, cfg := range []struct{ name, limiter string }{
+		{"scoped_limit", `token_bucket {
+			redis redis://REDIS_ADDR
+			dimension api_key {http.request.header.X-API-Key}
+			tier free {
+				api_key 100 1/1h
+				api_key 2 1/1h models gpt-4o
+			}
+			cost estimate {
+				max_body 1KiB
+			}
+		}`},
+		{"model_dimension", `token_bucket {
+			redis redis://REDIS_ADDR
+			dimension model {http.token_bucket.model}
+			tier free {
+				model 2 1/1h
+			}
+			cost estimate {
+				max_body 1KiB
+			}
+		}`},
+	} {
+		t.Run(cfg.name, func(t *testing.T) {
+			lg := startLLMGateway(t, cfg.limiter)
+			for _, tc := range invalid {
+				r := lg.post("/v1/chat/completions", tc.body, "X-API-Key", "sk-a")
+				want := string(invalidBodyError.json)
+				if r.status != http.StatusBadRequest || r.body != want {
+					t.Errorf("%s: %d %q, want 400 %q", tc.name, r.status, r.body, want)
+				}
+			}
+			if n := len(lg.up.requests()); n != 0 {
+				t.Errorf("the upstream saw %d of the invalid bodies, want none", n)
+			}
+			wantKeys(t, lg.e2eGateway)
+			for i, want := range []int{200, 200, 429} {
+				if r := lg.post("/v1/chat/completions", modelChat("gpt-4o", 10), "X-API-Key", "sk-a"); r.status != want {
+					t.Errorf("gpt-4o request %d: status %d, want %d: %s", i+1, r.status, want, r.body)
+				}
+			}
+		})
+	}
+}
