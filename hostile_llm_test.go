@@ -181,18 +181,43 @@ func hostileLLMSiteRequests(upstream string) string {
 	reverse_proxy %s`, upstream)
 }
 
-// TestHostileFieldCase: the upstream reads "max_tokens", not "MAX_TOKENS"
-// nor "Max_Tokens"; the estimate reads what the upstream reads (Go's
-// encoding/json, case-insensitive, used to take the last of them), and of
-// duplicates it takes the larger budget.
+// TestHostileFieldCase: a body that JSON parsers read differently is 400
+// invalid_body, and reaches neither Redis nor the upstream. Go's
+// encoding/json (Ollama and other Go servers) matches member names in any
+// case and keeps the last non-null value, so a "MAX_TOKENS" or "N" beside
+// (or instead of) "max_tokens" and "n" used to set a budget the estimate
+// never saw: 8 completions of 100,000 tokens each passed a 10,000-token
+// limit at the default budget. A second "model", a null one after it
+// (Go keeps the first, Python reads null), and a stream that is not a
+// boolean are refused the same way. A part's member in another case only
+// holds text, counted or not, and is left alone; of duplicate budgets the
+// larger is charged.
 func TestHostileFieldCase(t *testing.T) {
 	up := providertest.Start(t)
 	g := startHostileLLM(t, up.Addr, 1_000_000, "")
+	for _, body := range []string{
+		`{"messages":[{"role":"user","content":"abcd"}],"max_tokens":50000,"MAX_TOKENS":1,"Max_Tokens":2}`,
+		`{"model":"m","messages":[],"MAX_TOKENS":100000,"N":8,"Stream":true}`,
+		`{"model":"gpt-4.1-mini","Model":"gpt-4o","messages":[]}`,
+		`{"model":"gpt-4o","model":null,"messages":[]}`,
+		`{"model":"m","messages":[],"stream":"true"}`,
+		`{"model":"m","messages":[],"stream":true,"stream":null}`,
+	} {
+		r := g.post(t, "/v1/chat/completions", "alice", body)
+		if r.status != http.StatusBadRequest || !strings.Contains(r.body, `"invalid_body"`) {
+			t.Errorf("%s: %d %s, want 400 invalid_body", body, r.status, r.body)
+		}
+	}
+	if n := len(up.Requests()); n != 0 {
+		t.Errorf("the upstream saw %d of the ambiguous bodies, want none", n)
+	}
+	if keys := g.keys(); len(keys) != 0 {
+		t.Errorf("Redis holds %q after the ambiguous bodies, want nothing", keys)
+	}
 	for _, tc := range []struct {
 		name, body string
 		cost       int64
 	}{
-		{"case_variants_ignored", `{"messages":[{"role":"user","content":"abcd"}],"max_tokens":50000,"MAX_TOKENS":1,"Max_Tokens":2}`, 1 + 50000},
 		{"content_case_variant_ignored", `{"messages":[{"role":"user","Content":"` + strings.Repeat("x", 4000) + `","content":"abcd"}],"max_tokens":0}`, 1},
 		{"duplicate_budget_largest", `{"messages":[],"max_tokens":50000,"max_tokens":1}`, 50000},
 	} {

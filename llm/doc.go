@@ -19,17 +19,30 @@
 // # Names and duplicates
 //
 // Member names are matched exactly, after decoding their escapes, as the
-// providers' JSON parsers do: "MAX_TOKENS" and "Messages" are not
-// "max_tokens" and "messages", and are ignored like any unknown member.
-// Of duplicate members the providers keep the last; wherever that
-// matters to the estimate, the estimate takes the higher reading instead:
+// providers' JSON parsers do. But a server behind the gateway may read a
+// body otherwise: Go's encoding/json (Ollama, LocalAI and other Go
+// servers) matches names in any case, Unicode folding included, and keeps
+// the last value that is not null; Python's json keeps the last value;
+// pydantic's lax mode reads "true" and 1 as true. So that no server reads
+// a model, stream or budget the estimate did not, a body is invalid when
+//
+//   - a member of the top-level object that the estimate reads (below),
+//     or stream_options' include_usage, is spelled in another case
+//     ("MAX_TOKENS", "Model", "N", "ſtream");
+//   - it has two "model" or two "stream" members;
+//   - its "stream" is not true, false or null.
+//
+// A part's member in another case ("Content") is another member, ignored:
+// it only holds text, counted or not, and settlement charges what was
+// used. Of other duplicate members the providers keep the last; wherever
+// that matters to the estimate, the estimate takes the higher reading
+// instead:
 //
 //   - every copy of a member that holds text counts (two "messages"
 //     arrays count both);
 //   - of duplicate budget members, the largest number is the budget (and
 //     see Request.Budget for a null duplicate);
-//   - "model", "stream" and "stream_options" are the last ones, as the
-//     provider reads them.
+//   - "stream_options" is the last one, as the provider reads it.
 //
 // # What is counted
 //

@@ -37,6 +37,7 @@ func FuzzParseRequest(f *testing.F) {
 		if req.PromptTokens < 0 || req.PromptTokens > MaxCost || req.MaxTokens < -1 || req.MaxTokens > MaxCost {
 			t.Fatalf("out of bounds: %+v", req)
 		}
+		goServerReads(t, body, req)
 
 		// Add a message with text right after the opening brace.
 		quoted, _ := json.Marshal(text)
@@ -66,6 +67,47 @@ func FuzzParseRequest(f *testing.F) {
 			}
 		}
 	})
+}
+
+// goServerReads checks that a Go server decoding an accepted body with
+// encoding/json (names matched in any case, the last non-null value kept,
+// duplicate objects merged) reads the model and stream the estimate read,
+// include_usage true where the estimate read it true, and no budget or n
+// above what the estimate charges.
+func goServerReads(t *testing.T, body []byte, req Request) {
+	t.Helper()
+	var g struct {
+		Model               string `json:"model"`
+		Stream              bool   `json:"stream"`
+		MaxTokens           *int64 `json:"max_tokens"`
+		MaxCompletionTokens *int64 `json:"max_completion_tokens"`
+		MaxOutputTokens     *int64 `json:"max_output_tokens"`
+		N                   *int64 `json:"n"`
+		StreamOptions       *struct {
+			IncludeUsage bool `json:"include_usage"`
+		} `json:"stream_options"`
+	}
+	if json.Unmarshal(body, &g) != nil {
+		return // the server answers 400 itself
+	}
+	if g.Model != req.Model || g.Stream != req.Stream {
+		t.Fatalf("%q: a Go server reads model %q, stream %v; the estimate %q, %v", body, g.Model, g.Stream, req.Model, req.Stream)
+	}
+	if req.IncludeUsage && (g.StreamOptions == nil || !g.StreamOptions.IncludeUsage) {
+		t.Fatalf("%q: a Go server reads include_usage false; the estimate true", body)
+	}
+	const defaultMax = 1024
+	for _, b := range []*int64{g.MaxTokens, g.MaxCompletionTokens, g.MaxOutputTokens} {
+		if b != nil && *b >= 0 && *b > req.Budget(defaultMax) {
+			t.Fatalf("%q: a Go server reads a budget of %d; the estimate charges %d", body, *b, req.Budget(defaultMax))
+		}
+	}
+	if g.MaxTokens == nil && g.MaxCompletionTokens == nil && g.MaxOutputTokens == nil && req.Budget(defaultMax) < defaultMax {
+		t.Fatalf("%q: a Go server reads no budget (its default); the estimate charges %d", body, req.Budget(defaultMax))
+	}
+	if g.N != nil && *g.N > max(req.Choices, 1) {
+		t.Fatalf("%q: a Go server reads n %d; the estimate %d", body, *g.N, req.Choices)
+	}
 }
 
 // FuzzWithStreamUsage: the rewrite does not panic; a changed body is

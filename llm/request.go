@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
+	"unicode/utf8"
 
 	"github.com/go-json-experiment/json/jsontext"
 )
@@ -29,8 +31,9 @@ const (
 // ErrInvalidBody is returned, wrapped with the reason, by ParseRequest
 // for a body that is not one JSON object (invalid JSON, another value,
 // trailing data), that nests deeper than MaxDepth, whose messages is not
-// an array of objects, or whose budget (max_tokens, max_completion_tokens,
-// max_output_tokens) is neither null nor an integer from 0 to MaxCost.
+// an array of objects, whose budget (max_tokens, max_completion_tokens,
+// max_output_tokens) is neither null nor an integer from 0 to MaxCost, or
+// that parsers read differently (see the package documentation).
 var ErrInvalidBody = errors.New("llm: invalid request body")
 
 // Request is what the estimate reads of an LLM API request body.
@@ -46,10 +49,10 @@ type Request struct {
 	// -1 when none is set to a number (absent or null). Charge Budget,
 	// which accounts for a null duplicate too.
 	MaxTokens int64
-	// Model is the last "model" member when it is a string, else "".
+	// Model is the "model" member when it is a string, else "", with each
+	// byte that is not valid UTF-8 read as U+FFFD.
 	Model string
-	// Stream is true when the last "stream" member is true (the provider
-	// keeps the last of duplicate members).
+	// Stream is true when the "stream" member is true.
 	Stream bool
 	// IncludeUsage is true when the last "stream_options" member is an
 	// object whose last "include_usage" member is true.
@@ -101,8 +104,9 @@ func (r Request) Cost(defaultMax int64) int64 {
 }
 
 // ParseRequest reads body in one pass and estimates its tokens with tok
-// (nil: Approx). Member names are matched exactly, as the providers do:
-// "MAX_TOKENS" is not "max_tokens" and is ignored. The body is not
+// (nil: Approx). Member names are matched exactly, as the providers do; a
+// body that parsers read differently is invalid (see the package
+// documentation, "Names and duplicates"). The body is not
 // modified nor retained. Time and memory are linear in len(body). Under
 // Approx a parse allocates only the Model string (and a buffer for a
 // string over 64 KB with escapes); a BPE tokenizer allocates per text.
@@ -194,6 +198,7 @@ func (p *parser) parse() (Request, error) {
 	req.rw.objEmpty = p.dec.PeekKind() == '}'
 	modelStart, modelEnd := -1, -1
 	var numeric, null [budgets]bool
+	var seenModel, seenStream bool
 	for p.dec.PeekKind() != '}' {
 		name, err := p.memberName()
 		if err != nil {
@@ -202,7 +207,10 @@ func (p *parser) parse() (Request, error) {
 		b := -1
 		switch string(name) {
 		case "model":
-			modelStart, modelEnd = -1, -1
+			if seenModel {
+				return req, invalid("duplicate model member")
+			}
+			seenModel = true
 			if p.dec.PeekKind() == '"' {
 				raw, err := p.dec.ReadValue()
 				if err != nil {
@@ -214,6 +222,15 @@ func (p *parser) parse() (Request, error) {
 				err = p.skip()
 			}
 		case "stream":
+			if seenStream {
+				return req, invalid("duplicate stream member")
+			}
+			seenStream = true
+			switch p.dec.PeekKind() {
+			case 't', 'f', 'n':
+			default:
+				return req, invalid("stream is not true, false or null")
+			}
 			req.Stream = p.dec.PeekKind() == 't'
 			err = p.skip()
 		case "stream_options":
@@ -239,6 +256,9 @@ func (p *parser) parse() (Request, error) {
 		case "text":
 			err = p.textOptions()
 		default:
+			if m := foldsTo(name, topLevelNames); m != nil {
+				return req, invalid("member %q is %q in another case", name, m)
+			}
 			err = p.skip()
 		}
 		if b >= 0 {
@@ -270,11 +290,50 @@ func (p *parser) parse() (Request, error) {
 		req.budgetSure = req.budgetSure || numeric[b] && !null[b]
 	}
 	if modelStart >= 0 {
-		req.Model = string(p.unquote(p.body[modelStart:modelEnd]))
+		req.Model = validUTF8(p.unquote(p.body[modelStart:modelEnd]))
 	}
 	req.PromptTokens = min(p.prompt, MaxCost)
 	req.rw.ok = true
 	return req, nil
+}
+
+// topLevelNames are the members of the top-level object the estimate
+// reads.
+var topLevelNames = namesOf("model", "stream", "stream_options", "max_tokens",
+	"max_completion_tokens", "max_output_tokens", "n", "best_of", "messages",
+	"system", "prompt", "input", "instructions", "suffix", "tools",
+	"functions", "response_format", "text")
+
+// includeUsage is the member of stream_options the estimate reads.
+var includeUsage = namesOf("include_usage")
+
+func namesOf(names ...string) [][]byte {
+	b := make([][]byte, len(names))
+	for i, n := range names {
+		b[i] = []byte(n)
+	}
+	return b
+}
+
+// foldsTo returns the one of names that name equals under Unicode case
+// folding (bytes.EqualFold, as Go's encoding/json matches member names to
+// struct fields), or nil. The caller has already matched name exactly. A
+// name whose first byte is ASCII but no letter of any of names, in either
+// case, is not compared (U+017F and U+212A, which fold to 's' and 'k', are
+// not ASCII).
+func foldsTo(name []byte, names [][]byte) []byte {
+	if len(name) == 0 {
+		return nil
+	}
+	if c := name[0]; c < utf8.RuneSelf && !strings.ContainsRune("bfimnprstBFIMNPRST", rune(c)) {
+		return nil
+	}
+	for _, n := range names {
+		if bytes.EqualFold(name, n) {
+			return n
+		}
+	}
+	return nil
 }
 
 // memberName reads an object member name and returns it unquoted; it is
@@ -303,6 +362,22 @@ func (p *parser) unquote(raw []byte) []byte {
 	}
 	p.text, _ = jsontext.AppendUnquote(p.text[:0], raw) // syntax checked by the decoder
 	return p.text
+}
+
+// validUTF8 returns b as a string in which each byte that is not part of
+// valid UTF-8 is U+FFFD, as Go's encoding/json decodes a string (and as
+// unquote does for a string with escapes).
+func validUTF8(b []byte) string {
+	if utf8.Valid(b) {
+		return string(b)
+	}
+	var s strings.Builder
+	for len(b) > 0 {
+		r, n := utf8.DecodeRune(b)
+		s.WriteRune(r) // utf8.RuneError for an invalid byte, n == 1
+		b = b[n:]
+	}
+	return s.String()
 }
 
 func (p *parser) add(n int64) { p.prompt += n }
@@ -634,10 +709,13 @@ func (p *parser) streamOptions(req *Request) error {
 		if err != nil {
 			return err
 		}
-		if string(name) == "include_usage" {
+		switch {
+		case string(name) == "include_usage":
 			req.IncludeUsage = p.dec.PeekKind() == 't'
 			rw.iuStart, rw.iuEnd, err = p.skipSpan()
-		} else {
+		case foldsTo(name, includeUsage) != nil:
+			return invalid("member %q is %q in another case", name, includeUsage[0])
+		default:
 			err = p.skip()
 		}
 		if err != nil {

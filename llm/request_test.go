@@ -165,11 +165,11 @@ func TestParseRequestApprox(t *testing.T) {
 			ap(`{"a":1}`) + ap("12345") + ap("true"), -1},
 		{"unknown_members_ignored", `{"metadata":{"user":"a long string that is not sent"},"temperature":0.2,"tool_choice":"auto"}`, 0, -1},
 
-		// Case-sensitive names, as the provider reads them.
-		{"upper_case_budget_ignored", `{"max_tokens":100000,"MAX_TOKENS":1}`, 0, 100000},
-		{"upper_case_budget_alone_ignored", `{"MAX_TOKENS":100000,"max_tokens":1}`, 0, 1},
-		{"mixed_case_names_ignored", `{"Messages":[{"content":"abcd"}],"Prompt":"abcd","Max_Tokens":5}`, 0, -1},
+		// Names are matched exactly; in a part, another case is another
+		// member (a top-level member in another case is invalid: see
+		// TestParseRequestAmbiguous).
 		{"mixed_case_part_names_ignored", `{"messages":[{"Content":"abcd","content":"ab"}]}`, 1, -1},
+		{"unknown_name_starting_like_a_read_one", `{"metadata":{},"seed":1,"top_p":1,"parallel_tool_calls":true}`, 0, -1},
 		{"escaped_name_matches", `{"max\u005ftokens":42,"m\u0065ssages":[{"content":"abcd"}]}`, 1, 42},
 
 		// Duplicates: every copy of text counts; the largest budget.
@@ -269,25 +269,61 @@ func TestParseRequestFields(t *testing.T) {
 	}{
 		{"plain", `{"model":"gpt-4o","messages":[]}`, "gpt-4o", false, false},
 		{"escaped_model", `{"model":"gpt-4o\u002dmini"}`, "gpt-4o-mini", false, false},
-		{"last_model_wins", `{"model":"a","model":"b"}`, "b", false, false},
-		{"non_string_model", `{"model":"a","model":5}`, "", false, false},
-		{"upper_case_model_ignored", `{"model":"a","MODEL":"b"}`, "a", false, false},
+		{"non_string_model", `{"model":5}`, "", false, false},
+		{"invalid_utf8_model", "{\"model\":\"gpt\x85\xff-4o\"}", "gpt\ufffd\ufffd-4o", false, false},
+		{"null_model", `{"model":null}`, "", false, false},
 		{"stream", `{"stream":true}`, "", true, false},
 		{"stream_false", `{"stream":false}`, "", false, false},
-		{"stream_string_is_not_true", `{"stream":"true"}`, "", false, false},
-		{"last_stream_wins", `{"stream":true,"stream":false}`, "", false, false},
-		{"last_stream_wins_true", `{"stream":false,"stream":true}`, "", true, false},
+		{"stream_null", `{"stream":null}`, "", false, false},
 		{"include_usage", `{"stream":true,"stream_options":{"include_usage":true}}`, "", true, true},
 		{"include_usage_false", `{"stream":true,"stream_options":{"include_usage":false}}`, "", true, false},
 		{"last_include_usage_wins", `{"stream":true,"stream_options":{"include_usage":true,"include_usage":false}}`, "", true, false},
 		{"last_stream_options_wins", `{"stream":true,"stream_options":{"include_usage":true},"stream_options":{}}`, "", true, false},
 		{"last_stream_options_wins_true", `{"stream":true,"stream_options":null,"stream_options":{"include_usage":true}}`, "", true, true},
-		{"upper_case_include_usage_ignored", `{"stream":true,"stream_options":{"INCLUDE_USAGE":true}}`, "", true, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			req, err := ParseRequest([]byte(tc.body), nil)
 			if err != nil || req.Model != tc.model || req.Stream != tc.stream || req.IncludeUsage != tc.includeUsage {
 				t.Fatalf("ParseRequest = %+v, %v; want model %q, stream %v, include_usage %v", req, err, tc.model, tc.stream, tc.includeUsage)
+			}
+		})
+	}
+}
+
+// TestParseRequestAmbiguous: a body that parsers read differently is
+// invalid, so that the provider behind the gateway never reads a model,
+// stream or budget the estimate did not. Go's encoding/json (Ollama,
+// LocalAI and other Go servers) matches member names to fields in any
+// case, Unicode folding included, and keeps the last non-null value;
+// Python's json keeps the last value, null included; pydantic's lax mode
+// reads "true" and 1 as true. So a top-level member the estimate reads
+// (or stream_options' include_usage) spelled in another case, a second
+// model or stream, and a stream that is not a boolean are invalid.
+func TestParseRequestAmbiguous(t *testing.T) {
+	for _, tc := range []struct{ name, body, reason string }{
+		{"upper_case_budget", `{"max_tokens":1,"MAX_TOKENS":100000}`, `member "MAX_TOKENS" is "max_tokens" in another case`},
+		{"upper_case_budget_first", `{"MAX_TOKENS":100000,"max_tokens":1}`, `member "MAX_TOKENS" is "max_tokens" in another case`},
+		{"mixed_case_messages", `{"Messages":[{"content":"abcd"}]}`, `member "Messages" is "messages" in another case`},
+		{"mixed_case_model", `{"model":"gpt-4.1-mini","Model":"gpt-4o"}`, `member "Model" is "model" in another case`},
+		{"upper_case_n", `{"N":50,"max_tokens":10}`, `member "N" is "n" in another case`},
+		{"mixed_case_stream", `{"Stream":true}`, `member "Stream" is "stream" in another case`},
+		{"escaped_upper_case", `{"\u004dODEL":"gpt-4o"}`, `member "MODEL" is "model" in another case`},
+		// U+017F (long s) folds to 's', U+212A (Kelvin sign) to 'k'.
+		{"long_s_stream", `{"ſtream":true}`, `member "ſtream" is "stream" in another case`},
+		{"kelvin_max_tokens", `{"max_to\u212aens":100000}`, "member \"max_to\u212aens\" is \"max_tokens\" in another case"},
+		{"upper_case_include_usage", `{"stream":true,"stream_options":{"INCLUDE_USAGE":false}}`, `member "INCLUDE_USAGE" is "include_usage" in another case`},
+		{"duplicate_model", `{"model":"a","model":"b"}`, "duplicate model member"},
+		{"duplicate_model_null", `{"model":"gpt-4o","model":null}`, "duplicate model member"},
+		{"duplicate_stream", `{"stream":true,"stream":false}`, "duplicate stream member"},
+		{"duplicate_stream_null", `{"stream":true,"stream":null}`, "duplicate stream member"},
+		{"stream_string", `{"stream":"true"}`, "stream is not true, false or null"},
+		{"stream_number", `{"stream":1}`, "stream is not true, false or null"},
+		{"stream_object", `{"stream":{}}`, "stream is not true, false or null"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := ParseRequest([]byte(tc.body), nil)
+			if want := "llm: invalid request body: " + tc.reason; err == nil || err.Error() != want || !errors.Is(err, ErrInvalidBody) {
+				t.Fatalf("ParseRequest(%s) = %v, want %q", tc.body, err, want)
 			}
 		})
 	}
@@ -521,7 +557,6 @@ func TestChoicesMultiplyBudget(t *testing.T) {
 		{`{"n":0,"max_tokens":10}`, 10, 1, 1024},
 		{`{"n":null,"max_tokens":10}`, 10, 1, 1024},
 		{`{"n":9007199254740991,"max_tokens":2}`, MaxCost, MaxCost, 1024},
-		{`{"N":50,"max_tokens":10}`, 10, 1, 1024},
 	} {
 		req, err := ParseRequest([]byte(tc.body), nil)
 		if err != nil {
