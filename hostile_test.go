@@ -699,3 +699,63 @@ func concurrentStatuses(t *testing.T, n int, do func() (int, error)) map[int]int
 	}
 	return counts
 }
+
+// TestRepeatedIdentityHeader: a header field sent on several lines is
+// identified by its first line, in a lone placeholder and in a template
+// of several: the line the upstream authenticates with (Go's Header.Get,
+// Node, Starlette). Caddy's placeholder joins the lines with ",", and a
+// client that added a second line of its choosing used to get a new,
+// full bucket per request for the same API key.
+func TestRepeatedIdentityHeader(t *testing.T) {
+	g := startGateway(t, `
+	token_bucket {
+		redis redis://REDIS_ADDR {
+			timeout 10s
+		}
+		dimension api_key {http.request.header.Authorization}
+		dimension team {http.request.header.X-Org}/{http.request.header.X-Team}
+		tier free {
+			api_key 3 1/1h
+			team 10 1/1h
+		}
+	}
+	respond 200`)
+	send := func(i int, auth, org []string) int {
+		t.Helper()
+		req, err := http.NewRequest(http.MethodGet, g.url, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header["Authorization"] = auth
+		req.Header["X-Org"] = org
+		req.Header.Set("X-Team", "t1")
+		r, err := readResponse(g.client.Do(req))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r.status
+	}
+	for i := range 3 {
+		if st := send(i, []string{"Bearer sk-v"}, []string{"acme"}); st != http.StatusOK {
+			t.Fatalf("request %d: status %d, want 200", i+1, st)
+		}
+	}
+	for i := range 4 {
+		junk := "junk" + strconv.Itoa(i)
+		if st := send(i, []string{"Bearer sk-v", junk}, []string{"acme", junk}); st != http.StatusTooManyRequests {
+			t.Errorf("request with a second line %q: status %d, want 429", junk, st)
+		}
+	}
+	k := bucket.NewKeyer("rl:", "")
+	apiKey, team := k.Key("api_key", "Bearer sk-v", ""), k.Key("team", "acme/t1", "")
+	got := g.keys()
+	sort.Strings(got)
+	want := []string{apiKey, team}
+	sort.Strings(want)
+	if strings.Join(got, " ") != strings.Join(want, " ") {
+		t.Errorf("Redis holds %q, want the one API key's and the one team's buckets %q", got, want)
+	}
+	if n := storedTokens(t, g.rdb, team); n != 7 {
+		t.Errorf("team bucket holds %d, want 7 (3 allowed requests, the denied ones charge nothing)", n)
+	}
+}

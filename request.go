@@ -3,6 +3,7 @@ package tokenbucket
 import (
 	"crypto/rand"
 	"encoding/base64"
+	"errors"
 	"net/http"
 	"net/netip"
 	"net/textproto"
@@ -299,15 +300,26 @@ func (h *Handler) price(in *inputs, req *request) error {
 }
 
 // identity resolves dimension i's template for request r; "" means the
-// dimension is skipped because a placeholder in it is empty or unknown. An
-// identity that is an IP address is masked to the configured prefix.
+// dimension is skipped because a placeholder in it is empty or unknown. A
+// {http.request.header.<field>} placeholder is the field's first line
+// (see headerIdentity). An identity that is an IP address is masked to the
+// configured prefix.
 func (h *Handler) identity(r *http.Request, repl *caddy.Replacer, i int) string {
 	var id string
 	if i < len(h.idSources) && h.idSources[i].key != "" {
 		id = h.idSources[i].value(r, repl)
 	} else {
 		var err error
-		if id, err = repl.ReplaceOrErr(h.Dimensions[i].Identity, true, true); err != nil {
+		id, err = repl.ReplaceFunc(h.Dimensions[i].Identity, func(key string, val any) (any, error) {
+			if field, ok := strings.CutPrefix(key, reqHeaderPlaceholder); ok {
+				val = headerIdentity(r.Header, textproto.CanonicalMIMEHeaderKey(field))
+			}
+			if caddy.ToString(val) == "" {
+				return nil, errEmptyPlaceholder // unknown (nil) or empty
+			}
+			return val, nil
+		})
+		if err != nil {
 			return ""
 		}
 	}
@@ -328,10 +340,9 @@ type idSource struct {
 	vr     string // for {http.vars.<name>} (and {client_ip}): the variable
 }
 
-// value returns the placeholder's value for r. A header field or a
-// variable is read from r as Caddy's replacer reads it (the field's values
-// joined with ",", as in modules/caddyhttp/replacer.go; the variable
-// through caddyhttp.GetVar), without going through the replacer's
+// value returns the placeholder's value for r. A header field is read
+// from r as headerIdentity gives it, a variable as Caddy's replacer reads
+// it (through caddyhttp.GetVar), without going through the replacer's
 // providers: on a cached denial those lookups were a fifth of the
 // handler's time, and each value came back boxed in an interface, an
 // allocation. Two differences, neither reachable with Caddy's own
@@ -343,7 +354,7 @@ type idSource struct {
 func (s *idSource) value(r *http.Request, repl *caddy.Replacer) string {
 	switch {
 	case s.header != "":
-		return strings.Join(r.Header[s.header], ",")
+		return headerIdentity(r.Header, s.header)
 	case s.vr != "":
 		return caddy.ToString(caddyhttp.GetVar(r.Context(), s.vr))
 	}
@@ -373,6 +384,27 @@ func newIDSource(template string) idSource {
 	}
 	return idSource{key: key}
 }
+
+// headerIdentity returns the first line of the request header field
+// (canonical), without the spaces and tabs around it: what the upstream
+// authenticates with. Caddy's own placeholder joins every line with ",",
+// so a client that sent its API key and then a second line of its
+// choosing got a new bucket per second line, while Go's Header.Get, Node
+// and Starlette all read the first line alone; and HTTP/2 leaves the
+// whitespace around a value that HTTP/1.1's parser removes (RFC 9110
+// section 5.5: it is not part of the value), so " key" and "key " were
+// other keys. Envoy's and Kong's rate limits read the first line too.
+func headerIdentity(h http.Header, field string) string {
+	v := h[field]
+	if len(v) == 0 {
+		return ""
+	}
+	return strings.Trim(v[0], " \t")
+}
+
+// errEmptyPlaceholder skips a dimension whose template has an empty or
+// unknown placeholder.
+var errEmptyPlaceholder = errors.New("empty or unknown placeholder")
 
 // reqHeaderPlaceholder starts the placeholders of request header fields,
 // {http.request.header.<field>}.

@@ -112,16 +112,21 @@ func TestLonePlaceholderIdentity(t *testing.T) {
 }
 
 // TestDirectIdentity: a lone {http.request.header.*} or {http.vars.*}
-// identity, read from the request without the replacer, is what Caddy's
-// replacer gives for it (through ReplaceOrErr): for a field name in any
-// case, a field sent twice, absent or empty, and for variables of every
-// kind, set or not.
+// identity, read from the request without the replacer, is what the
+// general path gives for it (Caddy's replacer, with a header field read
+// by headerIdentity): for a field name in any case, a field sent twice,
+// absent, empty or padded, and for variables of every kind, set or not.
+// A header field is its first line, without the spaces and tabs around
+// it, in a lone placeholder and in a template of several.
 func TestDirectIdentity(t *testing.T) {
 	r := httptest.NewRequest("GET", "/", nil)
 	r.Header.Set("X-API-Key", "sk-1")
 	r.Header.Add("X-Twice", "a")
 	r.Header.Add("X-Twice", "b")
 	r.Header.Set("X-Empty", "")
+	r.Header.Set("X-Padded", " \tsk-2\t ") // as HTTP/2 passes it on
+	r.Header.Add("X-Blank-First", " ")
+	r.Header.Add("X-Blank-First", "sk-3")
 	repl := caddy.NewReplacer()
 	r = caddyhttp.PrepareRequest(r, repl, httptest.NewRecorder(), &caddyhttp.Server{})
 	caddyhttp.SetVar(r.Context(), "client_ip", "192.0.2.7")
@@ -130,7 +135,8 @@ func TestDirectIdentity(t *testing.T) {
 	caddyhttp.SetVar(r.Context(), "empty", "")
 	for _, tmpl := range []string{"{http.request.header.X-API-Key}", "{http.request.header.x-api-key}",
 		"{http.request.header.X-Api-Key}", "{http.request.header.X-Twice}", "{http.request.header.X-Empty}",
-		"{http.request.header.X-Other}", "{http.vars.client_ip}", "{http.vars.n}", "{http.vars.nil}",
+		"{http.request.header.X-Other}", "{http.request.header.X-Padded}", "{http.request.header.X-Blank-First}",
+		"{http.vars.client_ip}", "{http.vars.n}", "{http.vars.nil}",
 		"{http.vars.empty}", "{http.vars.unset}"} {
 		dims := []Dimension{{Name: "d", Identity: tmpl}}
 		fast := &Handler{Dimensions: dims, idSources: []idSource{newIDSource(tmpl)}}
@@ -143,7 +149,10 @@ func TestDirectIdentity(t *testing.T) {
 		}
 	}
 	for tmpl, want := range map[string]string{"{http.request.header.x-api-key}": "sk-1",
-		"{http.request.header.X-Twice}": "a,b", "{http.vars.client_ip}": "192.0.2.7/32", "{http.vars.n}": "42"} {
+		"{http.request.header.X-Twice}": "a", "{http.request.header.X-Padded}": "sk-2", "{http.request.header.X-Blank-First}": "",
+		"{http.request.header.X-Twice}:{http.request.header.x-padded}":      "a:sk-2",
+		"{http.request.header.X-Twice}:{http.request.header.X-Blank-First}": "",
+		"{http.vars.client_ip}": "192.0.2.7/32", "{http.vars.n}": "42"} {
 		h := &Handler{Dimensions: []Dimension{{Name: "d", Identity: tmpl}}, idSources: []idSource{newIDSource(tmpl)},
 			IPv4Prefix: 32, IPv6Prefix: 64}
 		if got := h.identity(r, repl, 0); got != want {
