@@ -122,11 +122,15 @@ func (e tokenEstimate) cost(capacity int64) int64 {
 // estimate reads r's body, restores it, and estimates its tokens. With
 // streamUsage (settle { include_usage }), an OpenAI chat or completions
 // stream (see includesUsage) that does not ask for its usage is sent on
-// with stream_options.include_usage added. A body
+// with stream_options.include_usage added. A request without a body to
+// a method that sends none is 0 tokens (see noContent). A body
 // that cannot be read is errInvalidBody, or, with on_invalid <cost>, an
 // estimate of that cost with no completion budget; a body that does not
 // arrive in time is errBodyTimeout.
 func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage bool) (tokenEstimate, error) {
+	if noContent(r) {
+		return tokenEstimate{}, nil
+	}
 	body, err := e.readBody(w, r)
 	if err != nil {
 		if err == errBodyTimeout {
@@ -150,6 +154,23 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		}
 	}
 	return est, nil
+}
+
+// noContent reports whether r is a request without a body (Content-Length
+// 0, or none and not chunked: Caddy wraps even an empty body) whose method
+// is not one that sends content (POST, PUT, PATCH): GET /v1/models, a
+// HEAD, a CORS preflight (OPTIONS), a DELETE of a stored response. It
+// asks the model for nothing, so its estimate is 0 tokens: no prompt, no
+// completion. A POST without a body is still an invalid body.
+func noContent(r *http.Request) bool {
+	if r.ContentLength != 0 { // -1: chunked, or an HTTP/2 stream left open
+		return false
+	}
+	switch r.Method {
+	case http.MethodPost, http.MethodPut, http.MethodPatch:
+		return false
+	}
+	return true
 }
 
 // includesUsage reports whether a request to path is one whose stream

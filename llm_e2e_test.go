@@ -1176,3 +1176,59 @@ func TestLLMExampleRuns(t *testing.T) {
 		t.Errorf("markers %q, want one", m)
 	}
 }
+
+// TestRequestsWithoutBodyCostNoTokens: with cost estimate, a request
+// without a body to a method that sends none (GET /v1/models, which the
+// OpenAI SDK's models.list sends; HEAD; a CORS preflight; DELETE) is
+// estimated at 0 tokens and passes, charged 1 in its requests limit. It
+// used to be 400 invalid_body, so a gateway in front of an LLM API
+// refused every model listing. A POST without a body is still invalid.
+func TestRequestsWithoutBodyCostNoTokens(t *testing.T) {
+	g := startGateway(t, `
+	header >X-Estimated-Cost {http.token_bucket.cost}
+	token_bucket {
+		redis redis://REDIS_ADDR {
+			timeout 10s
+		}
+		dimension user {http.request.header.X-User}
+		tier free {
+			user 10 1/1h
+			user 1000 1/1h tokens
+		}
+		cost estimate
+	}
+	respond 200`)
+	for _, method := range []string{http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodDelete} {
+		req, err := http.NewRequest(method, g.url+"v1/models", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("X-User", "alice")
+		r, err := readResponse(g.client.Do(req))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.status != http.StatusOK || r.header.Get("X-Estimated-Cost") != "0" {
+			t.Errorf("%s without a body: %d, estimated cost %q, want 200 with 0: %s", method, r.status, r.header.Get("X-Estimated-Cost"), r.body)
+		}
+	}
+	req, err := http.NewRequest(http.MethodPost, g.url+"v1/chat/completions", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("X-User", "alice")
+	r, err := readResponse(g.client.Do(req))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := string(invalidBodyError.json); r.status != http.StatusBadRequest || r.body != want {
+		t.Errorf("POST without a body: %d %q, want 400 %q", r.status, r.body, want)
+	}
+	k := bucket.NewKeyer("rl:", "")
+	if n := storedTokens(t, g.rdb, k.Key("user", "alice", "")); n != 6 {
+		t.Errorf("requests bucket holds %d, want 6 (4 requests charged, the invalid POST not)", n)
+	}
+	if keys := g.keys(); len(keys) != 1 {
+		t.Errorf("Redis holds %q, want the requests bucket alone (0 tokens charge no tokens bucket)", keys)
+	}
+}
