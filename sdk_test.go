@@ -855,3 +855,27 @@ func TestSDKOpenAIChatModelQuotaAndSlot(t *testing.T) {
 		})
 	}
 }
+
+// TestSDKOpenAIModelsList: the OpenAI SDK's models.list (GET /v1/models,
+// no body) passes a gateway with cost estimate, charged 1 request and no
+// tokens, and returns the upstream's list. It used to throw
+// BadRequestError invalid_body.
+func TestSDKOpenAIModelsList(t *testing.T) {
+	lg := sdkGateway(t, llmLimiter("user 10 1/1h\n\t\t\t\tuser 1000 1/1h tokens", "cost estimate\n\t\t\tsettle"), sdkUsage)
+	c := runSDK(t, "openai.models.list", lg.url, sdkOptions{Headers: map[string]string{"X-User": "sdk-models"}})[0]
+	a := okCall(t, "models.list", c)
+	if a.Method != http.MethodGet || !strings.HasSuffix(a.URL, "/v1/models") {
+		t.Errorf("the SDK sent %s %s, want GET …/v1/models", a.Method, a.URL)
+	}
+	var models []struct{ ID string }
+	if err := json.Unmarshal(c.Result, &models); err != nil || len(models) != 2 || models[0].ID != "gpt-4o-mini" {
+		t.Errorf("the SDK returned %s (%v), want the upstream's two models", c.Result, err)
+	}
+	k := bucket.NewKeyer("rl:", "")
+	if n := storedTokens(t, lg.rdb, k.Key("user", "sdk-models", "")); n != 9 {
+		t.Errorf("requests bucket holds %d, want 9", n)
+	}
+	if keys := lg.keys(); len(keys) != 1 {
+		t.Errorf("Redis holds %q, want the requests bucket alone", keys)
+	}
+}

@@ -116,6 +116,12 @@ const scenarios = {
     return { result: { ...res, data: res.data.map((d) => ({ ...d, embedding: Array.from(d.embedding) })) } };
   },
 
+  'openai.models.list': async () => {
+    const models = [];
+    for await (const m of openai().models.list()) models.push(m);
+    return { result: models };
+  },
+
   'anthropic.messages': async () => ({ result: await anthropic().messages.create(params(claudeDefaults)) }),
 
   'anthropic.stream': async () => {

@@ -36,6 +36,7 @@ const (
 	Responses       API = "responses"        // POST /v1/responses
 	Embeddings      API = "embeddings"       // POST /v1/embeddings
 	Messages        API = "messages"         // POST /v1/messages (Anthropic)
+	Models          API = "models"           // GET /v1/models
 )
 
 // apiOf maps a request path to its API; "" for a path the server does not
@@ -50,8 +51,18 @@ func apiOf(path string) API {
 		return Embeddings
 	case "/v1/messages":
 		return Messages
+	case "/v1/models":
+		return Models
 	}
 	return ""
+}
+
+// method is the HTTP method of the API's requests.
+func (a API) method() string {
+	if a == Models {
+		return http.MethodGet
+	}
+	return http.MethodPost
 }
 
 // Anthropic reports whether the API is Anthropic's (errors in its shape).
@@ -333,10 +344,12 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 		a.error(http.StatusInternalServerError, "", "", "the test hook failed: "+hookErr.Error())
 	case req.API == "":
 		a.error(http.StatusNotFound, "", "", fmt.Sprintf("Invalid URL (%s %s)", r.Method, r.URL.Path))
-	case r.Method != http.MethodPost:
+	case r.Method != req.API.method():
 		a.error(http.StatusMethodNotAllowed, "", "", fmt.Sprintf("Invalid method for URL (%s %s)", r.Method, r.URL.Path))
 	case req.API == Messages && r.Header.Get("Anthropic-Version") == "":
 		a.error(http.StatusBadRequest, "", "", "anthropic-version: header is required")
+	case req.API == Models:
+		a.json(http.StatusOK, modelsJSON())
 	case !req.ValidJSON && !lenient:
 		msg := "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your HTTP library correctly. " +
 			"The OpenAI API expects a JSON payload, but what was sent was not valid JSON. If you have trouble figuring out how to fix this, please contact us through our help center at help.openai.com.)"
@@ -349,6 +362,20 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 	default:
 		a.answer()
 	}
+}
+
+// modelsJSON is the list GET /v1/models answers, in OpenAI's shape.
+func modelsJSON() []byte {
+	type model struct {
+		ID      string `json:"id"`
+		Object  string `json:"object"`
+		Created int64  `json:"created"`
+		OwnedBy string `json:"owned_by"`
+	}
+	return mustJSON(struct {
+		Object string  `json:"object"`
+		Data   []model `json:"data"`
+	}{"list", []model{{"gpt-4o-mini", "model", 1721172741, "system"}, {"text-embedding-3-small", "model", 1705948997, "system"}}})
 }
 
 // countInputs returns the number of embeddings an input asks for: one per
