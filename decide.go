@@ -32,7 +32,7 @@ type verdict struct {
 	local   bool            // on_redis_error decided
 	demoted bool            // decided on the penalty tier, or demoted by this denial
 	gone    bool            // the client went away before Redis answered: nothing decided
-	err     error           // invalid input (errInvalidBody, errBodyTimeout, errInvalidCost), or the local store's failure
+	err     error           // invalid input (errInvalidBody, errBodyTimeout, errBodyTooLarge, errInvalidCost), or the local store's failure
 }
 
 // build resolves the request's tier and the buckets of its identities into
@@ -167,7 +167,7 @@ func decidedVerdict(t *tier, req *request, d bucket.Decision, local bool) verdic
 // had.
 func invalidVerdict(t *tier, err error) verdict {
 	o := outcomeInvalidCost
-	if err == errInvalidBody || err == errBodyTimeout {
+	if err == errInvalidBody || err == errBodyTimeout || err == errBodyTooLarge {
 		o = outcomeInvalidBody
 	}
 	return verdict{outcome: o, tier: t, err: err}

@@ -71,6 +71,10 @@ type Estimate struct {
 var (
 	errInvalidBody = errors.New("request body is not a JSON chat or completion request within the size limit")
 	errBodyTimeout = errors.New("request body did not arrive within estimate.read_timeout")
+	// errBodyTooLarge: the body is over a limit a handler before this one
+	// set (request_body's max_size, http.MaxBytesReader), which Caddy
+	// answers 413 Request Entity Too Large.
+	errBodyTooLarge = errors.New("request body is larger than the server's limit (request_body max_size)")
 )
 
 // provision sets the defaults of the unset fields and builds the
@@ -126,14 +130,15 @@ func (e tokenEstimate) cost(capacity int64) int64 {
 // a method that sends none is 0 tokens (see noContent). A body
 // that cannot be read is errInvalidBody, or, with on_invalid <cost>, an
 // estimate of that cost with no completion budget; a body that does not
-// arrive in time is errBodyTimeout.
+// arrive in time is errBodyTimeout, one over request_body's max_size
+// errBodyTooLarge.
 func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage bool) (tokenEstimate, error) {
 	if noContent(r) {
 		return tokenEstimate{}, nil
 	}
 	body, err := e.readBody(w, r)
 	if err != nil {
-		if err == errBodyTimeout {
+		if err == errBodyTimeout || err == errBodyTooLarge {
 			return tokenEstimate{}, err
 		}
 		return e.invalid()
@@ -195,7 +200,8 @@ func setBody(r *http.Request, body []byte) {
 // and gives it back to r whole for the next handler: what was read, then
 // the unread rest. It fails with errInvalidBody for a missing body or one
 // over max_body (told by Content-Length before any byte is read, where
-// there is one), and errBodyTimeout when the body does not arrive in time.
+// there is one), errBodyTimeout when the body does not arrive in time, and
+// errBodyTooLarge when it is over the limit of a handler before this one.
 // The deadline is set on the connection (http.ResponseController) and
 // cleared once the read is done, so it never cuts the response short.
 func (e *Estimate) readBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {
@@ -226,6 +232,9 @@ func (e *Estimate) readBody(w http.ResponseWriter, r *http.Request) ([]byte, err
 	if err != nil {
 		if errors.Is(err, os.ErrDeadlineExceeded) {
 			return nil, errBodyTimeout
+		}
+		if errors.As(err, new(*http.MaxBytesError)) {
+			return nil, errBodyTooLarge
 		}
 		return nil, errInvalidBody
 	}

@@ -1232,3 +1232,49 @@ func TestRequestsWithoutBodyCostNoTokens(t *testing.T) {
 		t.Errorf("Redis holds %q, want the requests bucket alone (0 tokens charge no tokens bucket)", keys)
 	}
 }
+
+// TestRequestBodyMaxSizeBefore: request_body's max_size in front of the
+// handler is answered 413, as Caddy answers it without the handler,
+// whether the body declares its length (Caddy refuses it before the
+// handler runs) or is chunked (the handler's read meets the limit; it used
+// to answer 400 invalid_body). Nothing is charged.
+func TestRequestBodyMaxSizeBefore(t *testing.T) {
+	g := startGateway(t, `
+	request_body {
+		max_size 1KB
+	}
+	token_bucket {
+		redis redis://REDIS_ADDR {
+			timeout 10s
+		}
+		dimension user {http.request.header.X-User}
+		tier free {
+			user 10 1/1h
+			user 100000 1/1h tokens
+		}
+		cost estimate
+	}
+	respond 200`)
+	body := `{"messages":[{"role":"user","content":"` + strings.Repeat("a", 2000) + `"}]}`
+	for _, chunked := range []bool{false, true} {
+		var rd io.Reader = strings.NewReader(body)
+		if chunked {
+			rd = io.MultiReader(rd) // no length: sent chunked
+		}
+		req, err := http.NewRequest(http.MethodPost, g.url+"v1/chat/completions", rd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("X-User", "alice")
+		r, err := readResponse(g.client.Do(req))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.status != http.StatusRequestEntityTooLarge {
+			t.Errorf("chunked %v: %d %q, want 413", chunked, r.status, r.body)
+		}
+	}
+	if keys := g.keys(); len(keys) != 0 {
+		t.Errorf("Redis holds %q, want nothing charged", keys)
+	}
+}

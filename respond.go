@@ -423,11 +423,16 @@ func denyBody(t *tier, req *request, d *bucket.Decision) []byte {
 // rejectInput answers a request whose tokens cost cannot be had: with
 // errInvalidBody, a body the estimator cannot read (not JSON, or larger than
 // estimate.max_body), 400 invalid_body; with errBodyTimeout, a body that did
-// not arrive within estimate.read_timeout, 408 request_timeout; else a cost
+// not arrive within estimate.read_timeout, 408 request_timeout; with
+// errBodyTooLarge, the Caddy error 413, as request_body gives it; else a cost
 // that is not an integer from 0 to MaxCost, 400 invalid_cost. With on_deny
 // error it returns a Caddy error for handle_errors instead. The bad value
 // is not echoed.
 func (h *Handler) rejectInput(w http.ResponseWriter, err error) error {
+	if err == errBodyTooLarge {
+		// As Caddy answers it without this handler (reverse_proxy).
+		return caddyhttp.Error(http.StatusRequestEntityTooLarge, err)
+	}
 	status, e := inputError(err)
 	if h.OnDeny == DenyError {
 		return caddyhttp.Error(status, err)
@@ -440,6 +445,8 @@ func inputError(err error) (int, *errorAnswer) {
 	switch err {
 	case errInvalidBody:
 		return http.StatusBadRequest, &invalidBodyError
+	case errBodyTooLarge: // answered by Caddy: see rejectInput
+		return http.StatusRequestEntityTooLarge, &invalidBodyError
 	case errBodyTimeout:
 		return http.StatusRequestTimeout, &bodyTimeoutError
 	}
