@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 
@@ -514,4 +515,30 @@ func TestShadowDenialsOfAllowedRequestsOnly(t *testing.T) {
 		check{shadowDenials, 1},
 		check{series("caddy_token_bucket_denials_total", "tier", tier, "dimension", "api_key"), 2},
 		check{series("caddy_token_bucket_tokens_charged_total", "tier", tier, "dimension", "api_key", "unit", "requests"), 2})
+}
+
+// TestShadowQuotasKeysOfTheirOwn: under the handler-wide shadow, a bucket
+// and two calendar quotas of one dimension and unit each have a key of
+// their own, <key>:shadow, <key>:day:shadow and <key>:month:shadow, and
+// each would-be denial is reported. They used to share <key>:shadow, so
+// the quotas and the bucket read each other's state and none ever
+// reported a denial.
+func TestShadowQuotasKeysOfTheirOwn(t *testing.T) {
+	tier := uniqueTier("shadow_quotas")
+	g := startGateway(t, shadowSite(tier, "user 2 1/h\n\t\t\tuser 3 per day\n\t\t\tuser 100 per month", "shadow"))
+	for i, want := range []string{unsetShadow, unsetShadow, "user", "user,user-per-day"} {
+		r := g.get("X-User", "alice")
+		if r.status != http.StatusOK {
+			t.Fatalf("request %d: status %d, want 200", i+1, r.status)
+		}
+		wantHeaders(t, fmt.Sprintf("request %d", i+1), r.header, "X-Shadow", want)
+	}
+	k := bucket.NewKeyer("rl:", "")
+	want := []string{k.Key("user", "alice", "shadow"), k.Key("user", "alice", "day:shadow"), k.Key("user", "alice", "month:shadow")}
+	got := g.keys()
+	slices.Sort(got)
+	slices.Sort(want)
+	if !slices.Equal(got, want) {
+		t.Errorf("Redis holds %q, want %q", got, want)
+	}
 }

@@ -68,7 +68,7 @@ func compileTiers(dims []Dimension, tiers []Tier, defaultTier string, share floa
 				cl.name += "-per-" + l.Period
 			}
 			if cl.shadow {
-				cl.keyUnit = strings.TrimPrefix(cl.unit+":shadow", ":")
+				cl.keyUnit = strings.TrimPrefix(cl.keyUnit+":shadow", ":")
 			}
 			if len(l.Models) > 0 {
 				group := l.Dimension + " " + l.unit() + " " + strconv.FormatBool(cl.shadow)
