@@ -92,6 +92,14 @@ var caddyfileErrorCases = []struct {
 		"dimension user {http.auth.user.id}\ndimension key {http.request.header.X-Key}\n" +
 			"tier free {\nuser 1 1/h\n}\ntier penalty {\nkey 1 1/d\n}\ndemote user after 1 denials within 1m to tier penalty for 1m",
 		`demote.tier "penalty": has no limit on the demoted dimension "user"`},
+	{"demote to a tier whose limit on the dimension is scoped by models",
+		"dimension user {http.auth.user.id}\ntier free {\nuser 1 1/h\n}\ntier penalty {\nuser 1 1/h models gpt-4*\n}\n" +
+			"cost estimate\ndemote after 1 denials within 1m to tier penalty for 1m",
+		`demote.tier "penalty": its limits on the demoted dimension "user" are all scoped by models or in shadow; it needs one that applies to every request`},
+	{"demote to a tier whose limit on the dimension is in shadow",
+		"dimension user {http.auth.user.id}\ntier free {\nuser 1 1/h\n}\ntier penalty {\nuser 1 1/h shadow\n}\n" +
+			"demote after 1 denials within 1m to tier penalty for 1m",
+		`demote.tier "penalty": its limits on the demoted dimension "user" are all scoped by models or in shadow; it needs one that applies to every request`},
 	{"demote by default on the first dimension, which the tier does not limit",
 		"dimension user {http.auth.user.id}\ndimension key {http.request.header.X-Key}\n" +
 			"tier free {\nuser 1 1/h\n}\ntier penalty {\nkey 1 1/d\n}\ndemote after 1 denials within 1m to tier penalty for 1m",

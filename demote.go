@@ -68,11 +68,17 @@ func (d *Demote) validate(h *Handler) error {
 	if i < 0 {
 		return fmt.Errorf("demote.tier %q: no tier has that name", d.Tier)
 	}
-	// A demoted request is decided on the penalty tier's buckets; one on
-	// the demoted dimension (whose identity is never empty then) makes
-	// sure there is at least one.
+	// A demoted request is decided on the penalty tier's buckets; an
+	// enforced limit on the demoted dimension (whose identity is never
+	// empty then) that no model escapes makes sure one of them applies. A
+	// limit scoped by models, or in shadow, left a demoted request of
+	// another model, or every one, without a limit.
 	if !slices.ContainsFunc(h.Tiers[i].Limits, func(l Limit) bool { return l.Dimension == dim }) {
 		return fmt.Errorf("demote.tier %q: has no limit on the demoted dimension %q", d.Tier, dim)
+	}
+	if !slices.ContainsFunc(h.Tiers[i].Limits, func(l Limit) bool { return l.Dimension == dim && len(l.Models) == 0 && !l.Shadow }) {
+		return fmt.Errorf("demote.tier %q: its limits on the demoted dimension %q are all scoped by models or in shadow; "+
+			"it needs one that applies to every request", d.Tier, dim)
 	}
 	return nil
 }
