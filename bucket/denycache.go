@@ -48,6 +48,10 @@ const maxDenyShards = 16
 type denyShard struct {
 	mu  sync.Mutex
 	lru *simplelru.LRU[string, denial]
+	// forgot is when Forget last ran on a key of the shard: a denial whose
+	// Redis call started before then may have been decided before the
+	// tokens came back (an admin reset, a refund), and is not remembered.
+	forgot time.Time
 }
 
 type denial struct {
@@ -108,7 +112,12 @@ func (c *DenyCache) Check(key string, spec Spec, cost int64) (waitMS, remaining 
 
 // Remember records that Redis, called at start, denied cost on key under
 // spec with a wait of waitMS milliseconds while the bucket held remaining
-// whole tokens.
+// whole tokens. A denial whose call started before the last Forget of a
+// key of its shard is not recorded: it may have been decided before the
+// tokens Forget speaks of came back, and recorded after Forget ran, it
+// would deny them for its whole wait (a bucket reset by the admin API
+// while its client's requests were in flight answered 429 for the hour).
+// Forgets are rare beside denials, so few denials go unrecorded.
 func (c *DenyCache) Remember(key string, spec Spec, cost int64, start time.Time, waitMS, remaining int64) {
 	if waitMS <= 1 {
 		return // lapses before it could serve anyone
@@ -116,15 +125,20 @@ func (c *DenyCache) Remember(key string, spec Spec, cost int64, start time.Time,
 	d := denial{spec: spec, cost: cost, until: start.Add(time.Duration(waitMS-1) * time.Millisecond), remaining: remaining}
 	s := c.shard(key)
 	s.mu.Lock()
-	s.lru.Add(key, d)
+	if s.forgot.Before(start) {
+		s.lru.Add(key, d)
+	}
 	s.mu.Unlock()
 }
 
-// Forget drops what is known of key, e.g. after tokens were given back.
+// Forget drops what is known of key, e.g. after tokens were given back,
+// and what a denial in flight would tell of it (see Remember).
 func (c *DenyCache) Forget(key string) {
+	now := c.now()
 	s := c.shard(key)
 	s.mu.Lock()
 	s.lru.Remove(key)
+	s.forgot = now
 	s.mu.Unlock()
 }
 

@@ -113,3 +113,24 @@ func TestDenyCacheConcurrent(t *testing.T) {
 	}
 	wg.Wait()
 }
+
+// TestDenyCacheForgetInFlight: a denial whose Redis call started before a
+// Forget of its key (an admin reset while the client's requests were in
+// flight) is not remembered, since Redis may have decided it before the
+// reset; one whose call started after the Forget is.
+func TestDenyCacheForgetInFlight(t *testing.T) {
+	clock := &fakeClock{t: time.Unix(1_717_000_000, 0)}
+	c := NewDenyCache(1, clock.now) // one shard
+	start := clock.now()
+	clock.t = start.Add(time.Millisecond)
+	c.Forget("k") // the reset, while the call that started at start was in flight
+	clock.t = start.Add(2 * time.Millisecond)
+	c.Remember("k", denySpec, 1, start, 3_600_000, 0)
+	if _, _, ok := c.Check("k", denySpec, 1); ok {
+		t.Fatal("a denial decided before the reset was remembered after it")
+	}
+	c.Remember("k", denySpec, 1, clock.now(), 3_600_000, 0)
+	if wait, _, ok := c.Check("k", denySpec, 1); !ok || wait != 3_599_999 {
+		t.Fatalf("a denial decided after the reset: Check = %d, %v; want 3599999, true", wait, ok)
+	}
+}
