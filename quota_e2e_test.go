@@ -463,3 +463,41 @@ func TestQuotaAndWaitConfigErrors(t *testing.T) {
 		}
 	}
 }
+
+// TestQuotaSettledWhenChargedNothing: a request charged 0 tokens (a cost
+// template the client sets) writes no quota count, and its settlement
+// used to find no count of its window and drop the usage: any number of
+// such requests used tokens that the quota never counted. The settlement
+// now starts the window's count, with the window's expiry, and the quota
+// denies once it is used up.
+func TestQuotaSettledWhenChargedNothing(t *testing.T) {
+	quotaE2EAwayFromBoundary(t, time.UTC, quotaE2EDay)
+	lg := startLLMGateway(t, `token_bucket {
+			redis redis://REDIS_ADDR {
+				timeout 10s
+			}
+			dimension org {http.request.header.X-Org}
+			tier free {
+				org 1000 per day tokens
+			}
+			cost {http.request.header.X-Estimated-Tokens}
+			settle
+		}`)
+	day := quotaE2EDay(time.UTC, time.Now())
+	key := bucket.NewKeyer("rl:", "").Key("org", "acme", "tokens:day")
+	for i, used := range []int64{400, 800, 1200} {
+		r := lg.post("/v1/chat/completions", chat500, "X-Org", "acme", "X-Estimated-Tokens", "0", "X-Test-Usage", "100,300")
+		if r.status != http.StatusOK {
+			t.Fatalf("request %d: status %d %q, want 200", i+1, r.status, r.body)
+		}
+		lg.sync()
+		if st := quotaE2EState(t, lg.e2eGateway, key); st != (bucket.State{Units: used, Scale: 1, Last: day.start.UnixMicro()}) {
+			t.Fatalf("request %d: quota %+v, want %d used in today's window", i+1, st, used)
+		}
+		quotaE2EWantExpiry(t, lg.e2eGateway, key, day.end)
+	}
+	r := lg.post("/v1/chat/completions", chat500, "X-Org", "acme", "X-Estimated-Tokens", "0", "X-Test-Usage", "100,300")
+	if r.status != http.StatusTooManyRequests {
+		t.Errorf("request 4, the quota used 1200 of 1000: status %d %q, want 429", r.status, r.body)
+	}
+}

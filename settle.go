@@ -232,7 +232,7 @@ func (req *request) adjustments(d *bucket.Decision, used int64, partial, local b
 				a.Spec = l.local
 			}
 			if w := req.takes[i].Window; w != nil {
-				a.Window = w.ChargedIn(req.decidedAt, d.Buckets[i].FullMS)
+				a.Window, a.WindowEnd = w.ChargedIn(req.decidedAt, d.Buckets[i].FullMS)
 			}
 			keys, adj = append(keys, req.keys[i]), append(adj, a)
 		}

@@ -64,7 +64,8 @@ func (l *Local) Take(_ context.Context, keys []string, takes []Take) (Decision, 
 // Settle charges or gives back each bucket's delta as Redis.Settle does: a
 // token bucket by SettleState (a bucket it no longer holds settles from
 // full), a calendar quota's used units in the window it was charged in
-// (nothing when it holds another window, or none). Unlike Redis.Settle it
+// (nothing when it holds a later window; a charge before the window ends
+// to a quota that holds no count of it starts one). Unlike Redis.Settle it
 // keeps no marker: the caller settles a request at most once, in this
 // process.
 func (l *Local) Settle(keys []string, adj []Adjust) {
@@ -75,6 +76,9 @@ func (l *Local) Settle(keys []string, adj []Adjust) {
 		a := adj[i]
 		st, ok := l.lru.Get(k)
 		if a.Window != 0 {
+			if (!ok || st.Last < a.Window) && a.Delta > 0 && now < a.WindowEnd {
+				st, ok = State{Last: a.Window}, true // nothing counted in the window yet
+			}
 			if ok && st.Last == a.Window {
 				st.Units = max(0, min(st.Units+clampDelta(a), 2*a.Spec.CapacityUnits()))
 				l.lru.Add(k, st)

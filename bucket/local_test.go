@@ -131,20 +131,35 @@ func TestLocalSettle(t *testing.T) {
 	}
 
 	windows := WindowsAt(Day, time.UTC, t0)
-	start, _ := windows.At(t0.UnixMicro())
+	start, end := windows.At(t0.UnixMicro())
 	quota := Spec{Capacity: 100, Scale: 1}
 	take("q", Take{Spec: quota, Cost: 60, Window: &windows})
 	for _, step := range []struct {
 		adj  Adjust
 		used int64
 	}{
-		{Adjust{Spec: quota, Delta: -50, Window: start}, 10},
-		{Adjust{Spec: quota, Delta: 1000, Window: start}, 200},
-		{Adjust{Spec: quota, Delta: -50, Window: start - 86_400_000_000}, 200}, // yesterday's
+		{Adjust{Spec: quota, Delta: -50, Window: start, WindowEnd: end}, 10},
+		{Adjust{Spec: quota, Delta: 1000, Window: start, WindowEnd: end}, 200},
+		{Adjust{Spec: quota, Delta: -50, Window: start - 86_400_000_000, WindowEnd: start}, 200}, // yesterday's
 	} {
 		l.Settle([]string{"q"}, []Adjust{step.adj})
 		if st, _ := l.lru.Peek("q"); st.Units != step.used || st.Last != start {
 			t.Errorf("after %+v: %+v, want %d used in the window at %d", step.adj, st, step.used, start)
 		}
+	}
+	// A quota that holds no count of the window (its request was charged
+	// nothing): a refund leaves it so, a charge starts the count, and one
+	// for a window that has ended does not.
+	l.Settle([]string{"q0"}, []Adjust{{Spec: quota, Delta: -5, Window: start, WindowEnd: end}})
+	if _, ok := l.lru.Peek("q0"); ok {
+		t.Error("a refund created a quota's count")
+	}
+	l.Settle([]string{"q0"}, []Adjust{{Spec: quota, Delta: 30, Window: start, WindowEnd: end}})
+	if st, _ := l.lru.Peek("q0"); st.Units != 30 || st.Last != start {
+		t.Errorf("a charge to a quota with no count: %+v, want 30 used in the window at %d", st, start)
+	}
+	l.Settle([]string{"q1"}, []Adjust{{Spec: quota, Delta: 30, Window: start - 86_400_000_000, WindowEnd: start}})
+	if _, ok := l.lru.Peek("q1"); ok {
+		t.Error("a charge for yesterday's window created a count")
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -525,7 +526,7 @@ func TestQuotaSettle(t *testing.T) {
 	ctx := context.Background()
 	const key = "settle:{q}"
 	q := QuotaSpec(100)
-	feb1, mar1 := us(t, "2026-02-01T00:00:00Z"), us(t, "2026-03-01T00:00:00Z")
+	feb1, mar1, apr1 := us(t, "2026-02-01T00:00:00Z"), us(t, "2026-03-01T00:00:00Z"), us(t, "2026-04-01T00:00:00Z")
 	gw := us(t, "2026-02-10T00:00:00Z")
 	w := WindowsAt(Month, time.UTC, time.UnixMicro(gw))
 	redisNow := gw + 1_234_567 // Redis's clock a little ahead of the gateway's
@@ -533,16 +534,17 @@ func TestQuotaSettle(t *testing.T) {
 	if !d.Allowed || d.Buckets[0].Remaining != 60 {
 		t.Fatalf("charge: %+v", d)
 	}
-	charged := w.ChargedIn(gw, d.Buckets[0].FullMS)
-	if charged != feb1 {
-		t.Fatalf("ChargedIn = %d, want February (%d)", charged, feb1)
+	charged, chargedEnd := w.ChargedIn(gw, d.Buckets[0].FullMS)
+	if charged != feb1 || chargedEnd != mar1 {
+		t.Fatalf("ChargedIn = %d, %d; want February (%d, %d)", charged, chargedEnd, feb1, mar1)
 	}
 	expires := g.setTTL(key, 123_456_789)
 	store := Redis{Client: &drivenClock{rdb: g.rdb, now: redisNow}}
 
 	settle := func(id string, delta, window int64) bool {
 		t.Helper()
-		ok, err := store.Settle(ctx, id, []string{key}, []Adjust{{Spec: q, Delta: delta, Window: window}})
+		end := w[slices.Index(w[:], window)+1]
+		ok, err := store.Settle(ctx, id, []string{key}, []Adjust{{Spec: q, Delta: delta, Window: window, WindowEnd: end}})
 		if err != nil {
 			t.Fatalf("settle %s: %v", id, err)
 		}
@@ -602,18 +604,34 @@ func TestQuotaSettle(t *testing.T) {
 	settle("march", 30, mar1)
 	used("March settled", 35, mar1)
 
-	// The key gone: nothing created.
+	// The key gone: a refund creates nothing; a charge made before the
+	// window ends starts the window's count, with the window's TTL (a
+	// request charged nothing wrote no key, and its usage counts).
 	if err := g.rdb.Del(ctx, key).Err(); err != nil {
 		t.Fatal(err)
 	}
-	settle("gone", 30, mar1)
-	g.expect("settlement of a gone key", key, State{}, false)
+	settle("gone", -30, mar1)
+	g.expect("refund to a gone key", key, State{}, false)
+	settle("gone-charge", 30, mar1)
+	used("charge to a gone key", 30, mar1)
+	if ttl := g.rdb.PTTL(ctx, key).Val(); ttl != time.Duration(ceilDiv(apr1-redisNow, 1000))*time.Millisecond {
+		t.Errorf("charge to a gone key: TTL %v, want the rest of March, %d ms", ttl, ceilDiv(apr1-redisNow, 1000))
+	}
+	// Once the window has ended, a charge to a gone key creates nothing.
+	if err := g.rdb.Del(ctx, key).Err(); err != nil {
+		t.Fatal(err)
+	}
+	late := Redis{Client: &drivenClock{rdb: g.rdb, now: mar1}}
+	if ok, err := late.Settle(ctx, "late", []string{key}, []Adjust{{Spec: q, Delta: 30, Window: feb1, WindowEnd: mar1}}); err != nil || !ok {
+		t.Fatalf("late settlement: %v %v", ok, err)
+	}
+	g.expect("charge after the window ended", key, State{}, false)
 
 	// A quota and a token bucket settled in one call.
 	b := shSpec(t, 10)
 	kb, kq := "settle:{q}:b", "settle:{q}:q"
 	g.step("both", redisNow, []string{kb, kq}, []Take{{Spec: b, Cost: 1}, {Spec: q, Cost: 10, Window: &w}})
-	if ok, err := store.Settle(ctx, "both", []string{kb, kq}, []Adjust{{Spec: b, Delta: 3}, {Spec: q, Delta: 7, Window: feb1}}); err != nil || !ok {
+	if ok, err := store.Settle(ctx, "both", []string{kb, kq}, []Adjust{{Spec: b, Delta: 3}, {Spec: q, Delta: 7, Window: feb1, WindowEnd: mar1}}); err != nil || !ok {
 		t.Fatalf("settle both: %v %v", ok, err)
 	}
 	g.expect("quota settled with a bucket", kq, State{Units: 17, Scale: 1, Last: feb1}, true)

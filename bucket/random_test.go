@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -484,14 +485,21 @@ func TestLuaMatchesModelQuotaReserve(t *testing.T) {
 				q, k := quotas[i], keys[len(specs)+i]
 				st, ok := model[k]
 				w := WindowsAt(q.p, q.loc, time.UnixMicro(gw))
-				window := w[r.IntN(4)]
+				wi := r.IntN(3)
 				if ok && r.IntN(3) != 0 {
-					window = st.Last
+					if j := slices.Index(w[:3], st.Last); j >= 0 {
+						wi = j
+					}
 				}
-				adj := Adjust{Spec: QuotaSpec(q.amount), Delta: r.Int64N(6*q.amount+3) - 3*q.amount - 1, Window: window}
+				window, end := w[wi], w[wi+1]
+				adj := Adjust{Spec: QuotaSpec(q.amount), Delta: r.Int64N(6*q.amount+3) - 3*q.amount - 1, Window: window, WindowEnd: end}
 				settled, err := store.Settle(ctx, fmt.Sprint("q", step), []string{k}, []Adjust{adj})
 				if err != nil || !settled {
 					t.Fatalf("%s: settle: %v %v", where, settled, err)
+				}
+				if (!ok || st.Last < window) && adj.Delta > 0 && now < end {
+					// Nothing counted in the window yet: the charge starts it.
+					st, ok = State{Scale: 1, Last: window}, true
 				}
 				if ok && st.Last == window {
 					st.Units = max(0, min(st.Units+clampDelta(adj), 2*q.amount))

@@ -22,9 +22,9 @@ const SettleTTL = time.Minute
 type Adjust struct {
 	Spec  Spec
 	Delta int64
-	// Window is, for a calendar quota, the start (µs) of the window the
-	// request was charged in; 0 for a token bucket.
-	Window int64
+	// Window and WindowEnd are, for a calendar quota, the start and end
+	// (µs) of the window the request was charged in; 0 for a token bucket.
+	Window, WindowEnd int64
 }
 
 // Settle charges or gives back each bucket's delta in one script call,
@@ -40,7 +40,7 @@ func (s Redis) Settle(ctx context.Context, id string, keys []string, adj []Adjus
 	for _, a := range adj {
 		b := appendFloats(nil, a.Spec.CapacityUnits(), a.Spec.Refill, a.Spec.Scale, clampDelta(a))
 		if a.Window != 0 {
-			b = appendFloats(b, a.Window)
+			b = appendFloats(b, a.Window, a.WindowEnd)
 		}
 		args = append(args, string(b))
 	}

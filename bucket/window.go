@@ -94,21 +94,21 @@ func (w Windows) At(now int64) (start, end int64) {
 	return w[0], w[1]
 }
 
-// ChargedIn returns the start of the window that a decision charged, from
+// ChargedIn returns the start and end of the window that a decision charged, from
 // its FullMS (the milliseconds the script saw left in that window) and
 // the gateway's clock at the decision (µs): the window whose end is
 // nearest to decidedAt + FullMS. Window ends are at least 23 hours apart,
 // so the answer is the script's own for any clock skew under half the
 // shortest window (11.5 hours).
-func (w Windows) ChargedIn(decidedAt, fullMS int64) int64 {
-	end := decidedAt + fullMS*1000
+func (w Windows) ChargedIn(decidedAt, fullMS int64) (start, end int64) {
+	at := decidedAt + fullMS*1000
 	best := 1
 	for k := 2; k <= 3; k++ {
-		if abs(w[k]-end) < abs(w[best]-end) {
+		if abs(w[k]-at) < abs(w[best]-at) {
 			best = k
 		}
 	}
-	return w[best-1]
+	return w[best-1], w[best]
 }
 
 func abs(n int64) int64 {

@@ -316,12 +316,14 @@ func TestChargedIn(t *testing.T) {
 			w := WindowsAt(c.p, ny, gw)
 			redisNow := gw.UnixMicro() + c.skew
 			want := instant(t, c.want).UnixMicro()
-			if start, _ := w.At(redisNow); start != want {
+			start, end := w.At(redisNow)
+			if start != want {
 				t.Fatalf("At(redis) = %d, want %d: the case is wrong", start, want)
 			}
 			full := chargedFullMS(w, redisNow)
-			if got := w.ChargedIn(gw.UnixMicro(), full); got != want {
-				t.Errorf("ChargedIn(%s, %d ms) = %s, want %s", c.gateway, full, time.UnixMicro(got).UTC(), c.want)
+			if got, gotEnd := w.ChargedIn(gw.UnixMicro(), full); got != want || gotEnd != end {
+				t.Errorf("ChargedIn(%s, %d ms) = %s, %s; want %s, %s", c.gateway, full, time.UnixMicro(got).UTC(),
+					time.UnixMicro(gotEnd).UTC(), c.want, time.UnixMicro(end).UTC())
 			}
 		})
 	}
@@ -347,9 +349,9 @@ func TestChargedInSkews(t *testing.T) {
 		}
 		w := WindowsAt(p, loc, time.UnixMicro(gw))
 		redisNow := gw + skew
-		start, _ := w.At(redisNow)
-		if got := w.ChargedIn(gw, chargedFullMS(w, redisNow)); got != start {
-			t.Fatalf("%s %s, gateway %d, skew %d µs: ChargedIn %d, script charged %d", loc, p, gw, skew, got, start)
+		start, end := w.At(redisNow)
+		if got, gotEnd := w.ChargedIn(gw, chargedFullMS(w, redisNow)); got != start || gotEnd != end {
+			t.Fatalf("%s %s, gateway %d, skew %d µs: ChargedIn %d–%d, script charged %d–%d", loc, p, gw, skew, got, gotEnd, start, end)
 		}
 	}
 }

@@ -17,10 +17,13 @@ ARGV[i]  (i >= 2) bucket i's parameters as in token_bucket.lua, the cost
          deeper debt that reservations (on_limit wait) left it in (the
          caller bounds the cost to two capacities either way, which
          reaches the floor and full from anywhere). A bucket given back up to full is
-         deleted. A calendar quota's ARGV adds 8 bytes, struct.pack('<d',
-         window_start): the window it was charged in; its units used go
-         up or down by the cost, between 0 and two amounts, in that window
-         only (a quota that has reset since is not settled).
+         deleted. A calendar quota's ARGV adds 16 bytes, struct.pack('<dd',
+         window_start, window_end): the window it was charged in; its
+         units used go up or down by the cost, between 0 and two amounts,
+         in that window only (a quota that has reset since is not
+         settled). A charge in that window to a quota that holds no count
+         of it (the request was charged nothing, so nothing was written)
+         starts its count, until the window ends.
 Reply    1 when settled, 0 when the request was settled before.
 
 Every bucket is read before anything is written, the marker included, so a
@@ -39,13 +42,21 @@ for i = 2, #KEYS do
   local u, last = cap, now
   if #a > 32 then
     -- A calendar quota: its units used, when the key holds the window the
-    -- request was charged in; false: nothing to settle (it has reset).
-    local ws = unpack('<d', a, 33)
+    -- request was charged in; false: nothing to settle (it has reset). A
+    -- key that holds no count of that window, or of an earlier one, counts
+    -- 0 for a charge made before the window ends; last is then -1: the
+    -- key is written with the window's TTL.
+    local ws, we = unpack('<dd', a, 33)
     u = false
     local v = call('GET', key)
+    local vs = false
     if v then
-      local used, _, vs = unpack('<ddd', v)
+      local used, _, s = unpack('<ddd', v)
+      vs = s
       if vs == ws then u = used end
+    end
+    if not u and (not vs or vs < ws) and delta > 0 and now < we then
+      u, last = 0, -1
     end
   else
   --[[use load]]
@@ -65,7 +76,12 @@ for i = 2, #KEYS do
       u = u + delta
       if u < 0 then u = 0 end
       if u > 2 * cap then u = 2 * cap end
-      call('SET', key, pack('<ddd', u, 1, (unpack('<d', a, 33))), 'KEEPTTL')
+      local ws, we = unpack('<dd', a, 33)
+      if last == -1 then
+        call('SET', key, pack('<ddd', u, 1, ws), 'PX', math.ceil((we - now) / 1000))
+      else
+        call('SET', key, pack('<ddd', u, 1, ws), 'KEEPTTL')
+      end
     end
   else
   if now > last then last = now end
