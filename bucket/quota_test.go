@@ -719,3 +719,50 @@ func TestQuotaRefund(t *testing.T) {
 	g.expect("quota back", key, State{Units: 25, Scale: 1, Last: feb1}, true)
 	g.expect("bucket back to full", keys[0], State{}, false)
 }
+
+// TestUnchargedKeyLivesUntilFull: a bucket written under a fast limit (5
+// tokens, 5 a second: full again within a second, so its key lives a
+// second) and then read under a slower one (5 tokens, 1 every 10 minutes:
+// a demotion's penalty tier, a tier change, a reload) that denies keeps
+// its key until it is full under the slower limit. It used to expire
+// after the fast limit's second, into a full bucket the slow limit would
+// not have refilled for 50 minutes.
+func TestUnchargedKeyLivesUntilFull(t *testing.T) {
+	rdb := redistest.Start(t).Client(t)
+	ctx := context.Background()
+	spec := func(rate string) Spec {
+		r, err := ParseRate(rate)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, err := Limit{Capacity: 5, Rate: r}.Spec()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	fast, slow := spec("5/s"), spec("1/10m")
+	for _, store := range []struct {
+		name string
+		s    Redis
+	}{{"script", Redis{Client: rdb}}, {"batched", Redis{Client: NewBatched(rdb, BatchOptions{})}}} {
+		t.Run(store.name, func(t *testing.T) {
+			key := "ttl:{" + store.name + "}"
+			if d, err := store.s.Take(ctx, []string{key}, []Take{{Spec: fast, Cost: 5}}); err != nil || !d.Allowed {
+				t.Fatalf("fast take: %+v, %v", d, err)
+			}
+			if ms := pttl(t, rdb, key); ms > 1000 {
+				t.Fatalf("after the fast take the key lives %d ms, want at most 1000", ms)
+			}
+			d, err := store.s.Take(ctx, []string{key}, []Take{{Spec: slow, Cost: 1}})
+			if err != nil || d.Allowed {
+				t.Fatalf("slow take: %+v, %v; want denied", d, err)
+			}
+			// Full under the slow limit in 50 minutes, less the little
+			// the fast take's few milliseconds left refilled.
+			if ms, full := pttl(t, rdb, key), d.Buckets[0].FullMS; ms < full-100 || ms > full || full < 2_999_000 {
+				t.Errorf("after the slow denial the key lives %d ms, want its FullMS %d (about 3000000)", ms, full)
+			}
+		})
+	}
+}

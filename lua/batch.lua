@@ -54,6 +54,11 @@ local function cached(cmd, key, ...)
     if ttl[key] == nil then order[#order + 1] = key end
     seen[key], ttl[key] = v, ms
     return true
+  elseif cmd == 'PTTL' and ttl[key] ~= nil then -- a write to come
+    return ttl[key]
+  elseif cmd == 'PEXPIRE' and ttl[key] ~= nil then
+    ttl[key] = ...
+    return 1
   end
   return rcall(cmd, key, ...)
 end

@@ -227,6 +227,14 @@ for i = 1, n do
   --[[end full]]
   if charge then
     call('SET', KEYS[ko + i], pack('<ddd', u, scale, last), 'PX', full)
+  elseif u < cap then
+    -- Not charged, and not full, so its key exists: it must live until
+    -- the bucket is full under this limit, which may refill slower than
+    -- the one that last wrote it (a demotion, a tier change, a reload),
+    -- or it would expire into a full bucket: expiry never changes a
+    -- decision.
+    local key = KEYS[ko + i]
+    if call('PTTL', key) < full then call('PEXPIRE', key, full) end
   end
   local rem = floor(u / scale)
   if rem * scale > u then rem = rem - 1 end
