@@ -310,11 +310,19 @@ func forgetDenials(key string) {
 	}
 }
 
+// bucketParamNames are the query parameters of a bucket, bucketParams'
+// JSON fields.
+var bucketParamNames = []string{"handler", "tier", "dimension", "unit", "model", "period", "shadow", "identity", "id"}
+
 // readBucketParams reads the parameters from a POST's JSON body, or else
-// from the query string.
+// from the query string. An unknown parameter, a parameter given twice, or
+// parameters in both is 400.
 func readBucketParams(r *http.Request) (bucketParams, error) {
 	var p bucketParams
 	if r.Method == http.MethodPost && r.ContentLength != 0 {
+		if r.URL.RawQuery != "" {
+			return p, apiError(http.StatusBadRequest, "parameters: in the query string or in the JSON body, not both")
+		}
 		dec := json.NewDecoder(io.LimitReader(r.Body, 64<<10))
 		dec.DisallowUnknownFields()
 		if err := dec.Decode(&p); err != nil {
@@ -326,6 +334,16 @@ func readBucketParams(r *http.Request) (bucketParams, error) {
 		return p, nil
 	}
 	q := r.URL.Query()
+	for name, vs := range q {
+		// As the JSON body refuses an unknown field: a typo ("peroid")
+		// must not reset another bucket than the one meant.
+		if !slices.Contains(bucketParamNames, name) {
+			return p, apiError(http.StatusBadRequest, fmt.Sprintf("query parameter %q: unknown; the parameters are %s", name, strings.Join(bucketParamNames, ", ")))
+		}
+		if len(vs) > 1 {
+			return p, apiError(http.StatusBadRequest, fmt.Sprintf("query parameter %q: given %d times", name, len(vs)))
+		}
+	}
 	if v := q.Get("handler"); v != "" {
 		i, err := strconv.Atoi(v)
 		if err != nil {
@@ -417,7 +435,9 @@ func (bt *bucketTarget) setKey(p bucketParams) error {
 		return nil
 	}
 	if len(p.ID) != bucket.IDLength || strings.IndexFunc(p.ID, notBase64URL) >= 0 {
-		return apiError(http.StatusBadRequest, fmt.Sprintf("id %q: must be a hashed identity of %d base64url characters, as in a bucket key", p.ID, bucket.IDLength))
+		// Not echoed: a raw API key sent as id by mistake would reach the
+		// answer and Caddy's admin log.
+		return apiError(http.StatusBadRequest, fmt.Sprintf("id: must be a hashed identity of %d base64url characters, as in a bucket key (a raw identity goes in identity)", bucket.IDLength))
 	}
 	// Any key of the limit has the same layout: swap in the id.
 	k := bt.keyOf("")
