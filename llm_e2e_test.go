@@ -1278,3 +1278,56 @@ func TestRequestBodyMaxSizeBefore(t *testing.T) {
 		t.Errorf("Redis holds %q, want nothing charged", keys)
 	}
 }
+
+// TestUpstreamRateLimitHeadersDropped: an upstream that sends rate-limit
+// headers of its own (a provider's, for the gateway's key) behind
+// reverse_proxy's header_down -Ratelimit* and -X-Ratelimit-*, as the
+// examples have it: the client gets the gateway's values alone, one each.
+// Without them the upstream's follow as second values ("9, 4999" to a
+// client that reads the field).
+func TestUpstreamRateLimitHeadersDropped(t *testing.T) {
+	up := startRawUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		for name, v := range map[string]string{"X-Ratelimit-Remaining-Requests": "4999", "X-Ratelimit-Limit-Requests": "5000",
+			"Ratelimit": `"default";r=4999;t=1`, "Ratelimit-Policy": `"default";q=5000;w=60`} {
+			w.Header().Set(name, v)
+		}
+		w.WriteHeader(http.StatusOK)
+	})
+	for _, drop := range []bool{true, false} {
+		t.Run(fmt.Sprintf("header_down_%v", drop), func(t *testing.T) {
+			downs := ""
+			if drop {
+				downs = "header_down -Ratelimit*\n\t\theader_down -X-Ratelimit-*"
+			}
+			g := startGateway(t, fmt.Sprintf(`
+	token_bucket {
+		redis redis://REDIS_ADDR {
+			timeout 10s
+		}
+		dimension user {http.request.header.X-User}
+		tier free {
+			user 10 1/1h
+		}
+		openai_headers
+	}
+	reverse_proxy %s {
+		%s
+	}`, up, downs))
+			r := g.get("X-User", "alice")
+			if r.status != http.StatusOK {
+				t.Fatalf("status %d", r.status)
+			}
+			want := map[string][]string{"X-Ratelimit-Remaining-Requests": {"9"}, "X-Ratelimit-Limit-Requests": {"10"},
+				"Ratelimit": {`"user";r=9;t=3600`}, "Ratelimit-Policy": {`"user";q=10;w=36000`}}
+			for name, vals := range want {
+				got := r.header.Values(name)
+				if !drop {
+					vals = append(vals, "") // the upstream's follow: counted, not compared
+				}
+				if len(got) != len(vals) || got[0] != vals[0] {
+					t.Errorf("%s: %q, want the gateway's %q first, %d values", name, got, vals[0], len(vals))
+				}
+			}
+		})
+	}
+}
