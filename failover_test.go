@@ -1423,7 +1423,9 @@ func TestUnsent(t *testing.T) {
 // the SDKs take as "do not retry"); a cost above the limit's own capacity
 // is.
 func TestLocalShareCostAboveLocalCapacity(t *testing.T) {
+	at := time.Unix(1_796_000_000, 0) // the local store's clock stands still: the wait is exact
 	h := provisionHandler(t, &Handler{
+		now:          func() time.Time { return at },
 		Redis:        &RedisConfig{Address: []string{"127.0.0.1:" + strconv.Itoa(redistest.FreePort(t))}, Timeout: caddy.Duration(foTimeout)},
 		Dimensions:   []Dimension{{Name: "user", Identity: "{http.request.header.X-User}"}},
 		Tiers:        []Tier{{Name: "default", Limits: []Limit{{Dimension: "user", Capacity: 1000, RefillRate: foHour, Unit: UnitTokens}}}},
