@@ -126,8 +126,8 @@ func (e tokenEstimate) cost(capacity int64) int64 {
 // estimate reads r's body, restores it, and estimates its tokens. With
 // streamUsage (settle { include_usage }), an OpenAI chat or completions
 // stream (see includesUsage) that does not ask for its usage is sent on
-// with stream_options.include_usage added. A request without a body to
-// a method that sends none is 0 tokens (see noContent). A body
+// with stream_options.include_usage added. A request without a body is 0
+// tokens (see noContent). A body
 // that cannot be read is errInvalidBody, or, with on_invalid <cost>, an
 // estimate of that cost with no completion budget; a body that does not
 // arrive in time is errBodyTimeout, one over request_body's max_size
@@ -162,20 +162,13 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 }
 
 // noContent reports whether r is a request without a body (Content-Length
-// 0, or none and not chunked: Caddy wraps even an empty body) whose method
-// is not one that sends content (POST, PUT, PATCH): GET /v1/models, a
-// HEAD, a CORS preflight (OPTIONS), a DELETE of a stored response. It
-// asks the model for nothing, so its estimate is 0 tokens: no prompt, no
-// completion. A POST without a body is still an invalid body.
+// 0, or none and not chunked: Caddy wraps even an empty body): GET
+// /v1/models, a HEAD, a CORS preflight, a DELETE of a stored response, a
+// POST that cancels a batch or a response. It asks the model for nothing,
+// so its estimate is 0 tokens: no prompt, no completion (a chat request
+// without a body is the upstream's to refuse).
 func noContent(r *http.Request) bool {
-	if r.ContentLength != 0 { // -1: chunked, or an HTTP/2 stream left open
-		return false
-	}
-	switch r.Method {
-	case http.MethodPost, http.MethodPut, http.MethodPatch:
-		return false
-	}
-	return true
+	return r.ContentLength == 0 // -1: chunked, or an HTTP/2 stream left open
 }
 
 // includesUsage reports whether a request to path is one whose stream

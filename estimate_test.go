@@ -49,8 +49,8 @@ func TestEstimateTable(t *testing.T) {
 		{"budget_at_max_cost", nil, `{"max_tokens":9007199254740991}`, MaxCost},
 		{"name_in_another_case", nil, `{"max_tokens":5000,"MAX_TOKENS":1,"prompt":"abcd"}`, -1},
 		{"not_json", nil, `hello`, -1},
-		{"empty_body", nil, ``, -1},
-		{"no_body", nil, "<nil>", -1},
+		{"empty_body", nil, ``, 0}, // no body: 0 tokens (see noContent)
+		{"no_body", nil, "<nil>", 0},
 		{"truncated_json", nil, `{"messages":[`, -1},
 		{"trailing_garbage", nil, `{"max_tokens":1} x`, -1},
 		{"json_array", nil, `[{"messages":[]}]`, -1},
@@ -68,7 +68,7 @@ func TestEstimateTable(t *testing.T) {
 
 		// on_invalid <n>: the fallback cost instead of a 400.
 		{"on_invalid_not_json", fallback, `hello`, 7},
-		{"on_invalid_no_body", fallback, "<nil>", 7},
+		{"on_invalid_no_body", fallback, "<nil>", 0},
 		{"on_invalid_valid_body_estimated", fallback, `{"prompt":"abcd","max_tokens":3}`, 4},
 		{"on_invalid_reject", reject, `hello`, -1},
 	} {
@@ -178,7 +178,8 @@ func TestEstimateBodyReachesUpstreamIntact(t *testing.T) {
 // TestEstimateInvalidBodyIs400: with on_invalid reject (the default), a
 // body the estimator cannot read is answered 400 invalid_body before Redis
 // or the upstream sees anything: not JSON, JSON that is not an object, a
-// body over max_body, a negative budget, no body.
+// body over max_body, a negative budget. (No body at all is 0 tokens: see
+// TestRequestsWithoutBodyCostNoTokens.)
 func TestEstimateInvalidBodyIs400(t *testing.T) {
 	lg := startLLMGateway(t, llmLimiter("user 10000 1/1h tokens", "cost estimate {\n\t\t\t\tmax_body 1KiB\n\t\t\t}"))
 	const want = `{"error":"invalid_body","message":"the request body must be a JSON chat or completion request within the size limit"}` + "\n"
@@ -188,7 +189,6 @@ func TestEstimateInvalidBodyIs400(t *testing.T) {
 		"[]",
 		`{"max_tokens":-5}`,
 		promptOfSize(1025),
-		"",
 	} {
 		r := lg.post("/v1/chat/completions", body, "X-User", "alice")
 		if r.status != http.StatusBadRequest || r.body != want {
