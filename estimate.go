@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"mime"
 	"net/http"
 	"os"
 	"strconv"
@@ -106,6 +107,9 @@ type tokenEstimate struct {
 	completion  int64  // the completion budget: the body's, else default_max_tokens
 	streamUsage bool   // stream_options.include_usage was added to the body
 	model       string // the body's model, "" when it has none
+	// form: the body could not be read, and it is a form (see formBody),
+	// not JSON: it has no model, and a missing model is not an error.
+	form bool
 }
 
 // cost is the charge of the estimate against tokens limits whose smallest
@@ -137,15 +141,17 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		return tokenEstimate{}, nil
 	}
 	body, err := e.readBody(w, r)
-	if err != nil {
-		if err == errBodyTimeout || err == errBodyTooLarge {
-			return tokenEstimate{}, err
-		}
-		return e.invalid()
+	if err == errBodyTimeout || err == errBodyTooLarge {
+		return tokenEstimate{}, err
 	}
-	req, err := llm.ParseRequest(body, e.tok)
+	var req llm.Request
+	if err == nil {
+		req, err = llm.ParseRequest(body, e.tok)
+	}
 	if err != nil {
-		return e.invalid()
+		est, err := e.invalid()
+		est.form = formBody(r, body)
+		return est, err
 	}
 	est := tokenEstimate{prompt: req.PromptTokens, completion: req.Budget(e.DefaultMaxTokens), model: req.Model}
 	if streamUsage && req.NeedsStreamUsage() && includesUsage(r.URL.Path) {
@@ -169,6 +175,30 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 // without a body is the upstream's to refuse).
 func noContent(r *http.Request) bool {
 	return r.ContentLength == 0 // -1: chunked, or an HTTP/2 stream left open
+}
+
+// formBody reports whether r's body, of which prefix was read (nil when
+// its Content-Length was over max_body: then up to 512 bytes are read here,
+// and given back), is an HTML form: multipart/form-data (OpenAI's audio
+// transcriptions and translations, file uploads, image edits) or
+// application/x-www-form-urlencoded, by its Content-Type and by its first
+// byte that is not a space, which is not a JSON object's or array's. A
+// JSON body labelled a form, which a server that ignores Content-Type
+// (Go's encoding/json behind gin or net/http) would still read, is not
+// one.
+func formBody(r *http.Request, prefix []byte) bool {
+	mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	if err != nil || mt != "multipart/form-data" && mt != "application/x-www-form-urlencoded" {
+		return false
+	}
+	if prefix == nil && r.Body != nil {
+		var buf [512]byte
+		n, _ := io.ReadFull(r.Body, buf[:])
+		prefix = bytes.Clone(buf[:n])
+		r.Body = readCloser{io.MultiReader(bytes.NewReader(prefix), r.Body), r.Body}
+	}
+	prefix = bytes.TrimLeft(prefix, " \t\r\n")
+	return len(prefix) > 0 && prefix[0] != '{' && prefix[0] != '['
 }
 
 // includesUsage reports whether a request to path is one whose stream
@@ -239,7 +269,7 @@ func (e *Estimate) readBody(w http.ResponseWriter, r *http.Request) ([]byte, err
 			rest = &deadlineReader{ReadCloser: rest, rc: rc, timeout: timeout}
 		}
 		r.Body = readCloser{io.MultiReader(bytes.NewReader(body), rest), rest}
-		return nil, errInvalidBody
+		return body, errInvalidBody // what was read, for formBody
 	}
 	r.Body = readCloser{io.MultiReader(bytes.NewReader(body), rest), rest}
 	return body, nil

@@ -848,6 +848,24 @@ func TestModelBucketsNeedAReadableBody(t *testing.T) {
 				t.Errorf("the upstream saw %d of the invalid bodies, want none", n)
 			}
 			wantKeys(t, lg.e2eGateway)
+			// A form (an audio transcription, a file upload) has no model
+			// the estimate reads: it passes as a body without "model"
+			// does, whatever its size. A JSON body labelled a form is
+			// still JSON.
+			const mp = "multipart/form-data; boundary=XyZ"
+			form := "--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper-1\r\n--XyZ\r\n" +
+				"Content-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\n" + strings.Repeat("\x00", 4096) + "\r\n--XyZ--\r\n"
+			for _, body := range []string{form, form[:200] + "\r\n--XyZ--\r\n"} {
+				if r := lg.post("/v1/audio/transcriptions", body, "X-API-Key", "sk-a", "Content-Type", mp); r.status == http.StatusBadRequest {
+					t.Errorf("a form of %d bytes: 400 %q, want it passed on", len(body), r.body)
+				}
+			}
+			if seen := lg.up.requests(); len(seen) != 2 || string(seen[0].Body) != form {
+				t.Errorf("the upstream saw %d of the 2 forms (the first whole: %v)", len(seen), len(seen) > 0 && string(seen[0].Body) == form)
+			}
+			if r := lg.post("/v1/chat/completions", invalid[3].body, "X-API-Key", "sk-a", "Content-Type", mp); r.status != http.StatusBadRequest {
+				t.Errorf("a JSON body over max_body labelled a form: %d %q, want 400", r.status, r.body)
+			}
 			for i, want := range []int{200, 200, 429} {
 				if r := lg.post("/v1/chat/completions", modelChat("gpt-4o", 10), "X-API-Key", "sk-a"); r.status != want {
 					t.Errorf("gpt-4o request %d: status %d, want %d: %s", i+1, r.status, want, r.body)
