@@ -767,3 +767,51 @@ func TestUnchargedKeyLivesUntilFull(t *testing.T) {
 		})
 	}
 }
+
+// TestDemotionKeepsPenaltyBucketsUntilFull: the denial that demotes an
+// identity raises the TTL of its penalty tier's buckets (the same key) to
+// their time until full under the penalty limit, so that a client that
+// waits out the own tier's Retry-After does not come back to an expired,
+// full bucket. It used to keep the own tier's TTL, a second at 5 a second.
+func TestDemotionKeepsPenaltyBucketsUntilFull(t *testing.T) {
+	rdb := redistest.Start(t).Client(t)
+	ctx := context.Background()
+	spec := func(rate string) Spec {
+		r, err := ParseRate(rate)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, err := Limit{Capacity: 5, Rate: r}.Spec()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	own, penalty := spec("5/s"), spec("1/10m")
+	st := Redis{Client: rdb}
+	const marker, counter, key = "dt:{u}:demoted", "dt:{u}:denials", "dt:{u}"
+	rule := DemoteRule{Denials: 1, Window: time.Minute, Span: time.Minute}
+	keys := []string{key}
+	take := func(cost int64) (Decision, Demotion) {
+		t.Helper()
+		d, state, _, err := st.TakeDemote(ctx, marker, counter, rule, keys, []Take{{Spec: own, Cost: cost}}, keys, []Take{{Spec: penalty, Cost: cost}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d, state
+	}
+	if d, state := take(5); !d.Allowed || state != NotDemoted {
+		t.Fatalf("first request: %+v, state %d", d, state)
+	}
+	if ms := pttl(t, rdb, key); ms > 1000 {
+		t.Fatalf("after the own tier's charge the key lives %d ms, want at most 1000", ms)
+	}
+	if d, state := take(1); d.Allowed || state != DemotedNow {
+		t.Fatalf("second request: %+v, state %d; want denied and demoted", d, state)
+	}
+	// 5 tokens at 1 every 10 minutes: full in 50 minutes, less the little
+	// that refilled since the first request.
+	if ms := pttl(t, rdb, key); ms < 2_990_000 || ms > 3_000_000 {
+		t.Errorf("after the demotion the key lives %d ms, want the penalty limit's time until full, about 3000000", ms)
+	}
+}

@@ -57,9 +57,31 @@ else
     local count = call('INCR', KEYS[2])
     if count == 1 then call('PEXPIRE', KEYS[2], window) end
     if count >= threshold then
+      -- The penalty tier's buckets (the same keys, as a rule) took their
+      -- TTLs from the own tier's limits, which may refill them faster: they
+      -- must live until full under the penalty tier's, or the first
+      -- request of the demotion would find them expired, full (see
+      -- token_bucket.lua, "Not charged, and not full"). Read them first.
+      local raise = {}
+      for i = 1, #KEYS - 2 - nn do
+        local key, a = KEYS[2 + nn + i], ARGV[1 + nn + i]
+        local cap, refill, scale, _, flags = unpack('<ddddd', a)
+        if floor(flags / 2) == 0 then
+          local u, last = cap, now
+          --[[use load]]
+          if u < cap then
+            --[[use full]]
+            raise[#raise + 1] = key
+            raise[#raise + 1] = full
+          end
+        end
+      end
       call('SET', KEYS[1], '1', 'PX', span)
       call('DEL', KEYS[2])
       state, left = 2, span
+      for j = 1, #raise, 2 do
+        if call('PTTL', raise[j]) < raise[j + 1] then call('PEXPIRE', raise[j], raise[j + 1]) end
+      end
     end
   end
 end

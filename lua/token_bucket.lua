@@ -58,8 +58,9 @@ Reply    3 integers per bucket, in KEYS order:
            full_ms    milliseconds until the bucket is full again, rounded
                       up; for a charged bucket it is the TTL just set
 A charged key gets a TTL of full_ms (SET PX, >= 1 ms), so an expired key is
-exactly a full bucket. A denied request costs one GET per bucket and no
-write.
+exactly a full bucket. A denied request costs one GET per bucket, one PTTL
+per token bucket that is not full, and no write but a PEXPIRE of a key
+whose TTL a faster limit set (see "Not charged, and not full").
 
 The code is written inline, without Lua functions: Redis runs a script's
 body on every call, so each `local function` would be a new closure per
