@@ -1,6 +1,7 @@
 package tokenbucket
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -13,6 +14,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/go-json-experiment/json/jsontext"
 	"go.uber.org/zap"
 
 	"github.com/caddyserver/caddy/v2"
@@ -323,13 +325,22 @@ func readBucketParams(r *http.Request) (bucketParams, error) {
 		if r.URL.RawQuery != "" {
 			return p, apiError(http.StatusBadRequest, "parameters: in the query string or in the JSON body, not both")
 		}
-		dec := json.NewDecoder(io.LimitReader(r.Body, 64<<10))
+		raw, err := io.ReadAll(io.LimitReader(r.Body, 64<<10))
+		if err != nil {
+			return p, apiError(http.StatusBadRequest, "reading the JSON body: "+err.Error())
+		}
+		dec := json.NewDecoder(bytes.NewReader(raw))
 		dec.DisallowUnknownFields()
 		if err := dec.Decode(&p); err != nil {
 			return p, apiError(http.StatusBadRequest, "reading the JSON body: "+err.Error())
 		}
 		if _, err := dec.Token(); err != io.EOF {
 			return p, apiError(http.StatusBadRequest, "reading the JSON body: one object, and nothing after it")
+		}
+		// encoding/json keeps the last of a member given twice; as a
+		// parameter given twice in the query string, it is refused.
+		if _, err := jsontext.NewDecoder(bytes.NewReader(raw)).ReadValue(); err != nil {
+			return p, apiError(http.StatusBadRequest, "reading the JSON body: "+err.Error())
 		}
 		return p, nil
 	}

@@ -314,6 +314,8 @@ func TestAdminBucketErrors(t *testing.T) {
 			400, `query parameter "peroid": unknown; the parameters are handler, tier, dimension, unit, model, period, shadow, identity, id`},
 		{"parameter twice", "DELETE", bucketQuery("dimension", "user", "identity", secret) + "&period=day&period=month", "",
 			400, `query parameter "period": given 2 times`},
+		{"member twice in the body", "POST", "/token_bucket/bucket", `{"dimension":"user","identity":"` + secret + `","period":"day","period":"month"}`,
+			400, `reading the JSON body: jsontext: duplicate object member name "period"`},
 		{"query and body", "POST", bucketQuery("dimension", "ip"), `{"dimension":"user","identity":"` + secret + `"}`,
 			400, `parameters: in the query string or in the JSON body, not both`},
 		{"unknown field in the body", "POST", "/token_bucket/bucket", `{"dimension":"user","identity":"` + secret + `","user":"x"}`,
