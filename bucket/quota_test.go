@@ -721,6 +721,20 @@ func TestQuotaRefund(t *testing.T) {
 	g.expect("bucket back to full", keys[0], State{}, false)
 }
 
+// fiveAt is the Spec of a bucket of 5 tokens refilled at rate.
+func fiveAt(t *testing.T, rate string) Spec {
+	t.Helper()
+	r, err := ParseRate(rate)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := Limit{Capacity: 5, Rate: r}.Spec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
 // TestUnchargedKeyLivesUntilFull: a bucket written under a fast limit (5
 // tokens, 5 a second: full again within a second, so its key lives a
 // second) and then read under a slower one (5 tokens, 1 every 10 minutes:
@@ -731,18 +745,7 @@ func TestQuotaRefund(t *testing.T) {
 func TestUnchargedKeyLivesUntilFull(t *testing.T) {
 	rdb := redistest.Start(t).Client(t)
 	ctx := context.Background()
-	spec := func(rate string) Spec {
-		r, err := ParseRate(rate)
-		if err != nil {
-			t.Fatal(err)
-		}
-		s, err := Limit{Capacity: 5, Rate: r}.Spec()
-		if err != nil {
-			t.Fatal(err)
-		}
-		return s
-	}
-	fast, slow := spec("5/s"), spec("1/10m")
+	fast, slow := fiveAt(t, "5/s"), fiveAt(t, "1/10m")
 	for _, store := range []struct {
 		name string
 		s    Redis
@@ -776,18 +779,7 @@ func TestUnchargedKeyLivesUntilFull(t *testing.T) {
 func TestDemotionKeepsPenaltyBucketsUntilFull(t *testing.T) {
 	rdb := redistest.Start(t).Client(t)
 	ctx := context.Background()
-	spec := func(rate string) Spec {
-		r, err := ParseRate(rate)
-		if err != nil {
-			t.Fatal(err)
-		}
-		s, err := Limit{Capacity: 5, Rate: r}.Spec()
-		if err != nil {
-			t.Fatal(err)
-		}
-		return s
-	}
-	own, penalty := spec("5/s"), spec("1/10m")
+	own, penalty := fiveAt(t, "5/s"), fiveAt(t, "1/10m")
 	st := Redis{Client: rdb}
 	const marker, counter, key = "dt:{u}:demoted", "dt:{u}:denials", "dt:{u}"
 	rule := DemoteRule{Denials: 1, Window: time.Minute, Span: time.Minute}
