@@ -158,6 +158,9 @@ func (a *auditor) denied(r *http.Request, t *tier, req *request, d *bucket.Decis
 		zap.Int64("retry_after_ms", b.RetryAfterMS),
 		zap.Bool("degraded", degraded),
 	)
+	if l.period != 0 {
+		fields = append(fields, zap.String("period", l.period.String())) // a calendar quota
+	}
 	if b.Shadow {
 		fields = append(fields, zap.Bool("shadow", true))
 	}

@@ -100,6 +100,26 @@ func (f *auditFixture) wantEntry(t *testing.T, e observer.LoggedEntry, identity,
 	}
 }
 
+// TestAuditQuotaPeriod: a calendar quota's entry names its period beside
+// its unit, as the admin API does: a day's quota is told apart from the
+// bucket of the same dimension and unit.
+func TestAuditQuotaPeriod(t *testing.T) {
+	f := newAuditFixture(t, AuditOptions{})
+	l := &limit{dimension: "apikey", unit: UnitTokens, tokens: true, spec: bucket.QuotaSpec(1000), period: bucket.Day}
+	key := f.keyer.Key("apikey", rawKey, "tokens:day")
+	req := &request{keys: []string{key}, takes: []bucket.Take{{Spec: l.spec, Cost: 7}}, limits: []*limit{l}}
+	d := &bucket.Decision{Reason: bucket.RateLimited, RetryAfterMS: 1500,
+		Buckets: []bucket.Result{{Reason: bucket.RateLimited, RetryAfterMS: 1500}}}
+	f.a.denied(f.r, f.tier, req, d, 0, false)
+	entries := f.logs.All()
+	if len(entries) != 1 {
+		t.Fatalf("%d entries, want 1", len(entries))
+	}
+	if got := entries[0].ContextMap(); got["unit"] != UnitTokens || got["period"] != "day" || got["key"] != key {
+		t.Errorf("entry %v, want unit tokens, period day, key %s", got, key)
+	}
+}
+
 // TestAuditOneEntryPerBucketPerWindow denies one bucket 10,000 times in
 // one instant: one entry. Its denials until the window (10s) ends are
 // counted, not logged; the first after it is logged with that count.
