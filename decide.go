@@ -61,14 +61,14 @@ func (h *Handler) build(x *exchange, w http.ResponseWriter, r *http.Request) {
 // the 8 KiB stack a connection's goroutine starts with (see denyHeaders).
 func (h *Handler) decide(x *exchange, v *verdict) {
 	t, req := x.tier, x.req
-	if h.modelFirst && x.costErr != nil && !x.est.form {
+	if h.modelFirst && x.costErr != nil {
 		// The buckets depend on the model, which a body that cannot be
 		// read does not give: built without it, they would leave out
 		// every limit scoped by models, and a dimension or tier named by
 		// the model, while the upstream may read the body after all
 		// ("max_tokens":"50" is 50 to a lenient parser). A form (an
-		// audio or file upload) has no model the estimate reads: it is
-		// built without one, as a body without "model" is.
+		// audio or file upload) is no error: it has no model, as a body
+		// without "model" has none.
 		*v = invalidVerdict(t, x.costErr)
 		return
 	}

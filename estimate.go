@@ -107,9 +107,10 @@ type tokenEstimate struct {
 	completion  int64  // the completion budget: the body's, else default_max_tokens
 	streamUsage bool   // stream_options.include_usage was added to the body
 	model       string // the body's model, "" when it has none
-	// form: the body could not be read, and it is a form (see formBody),
-	// not JSON: it has no model, and a missing model is not an error.
-	form bool
+	// noBody: the request had no body. It asked the model for nothing, so
+	// usage in its answer (a stored response or batch, read back) is not
+	// its own, and is not settled.
+	noBody bool
 }
 
 // cost is the charge of the estimate against tokens limits whose smallest
@@ -130,15 +131,15 @@ func (e tokenEstimate) cost(capacity int64) int64 {
 // estimate reads r's body, restores it, and estimates its tokens. With
 // streamUsage (settle { include_usage }), an OpenAI chat or completions
 // stream (see includesUsage) that does not ask for its usage is sent on
-// with stream_options.include_usage added. A request without a body is 0
-// tokens (see noContent). A body
+// with stream_options.include_usage added. A request without a body, and
+// a form (see formBody), is 0 tokens (see noContent). A body
 // that cannot be read is errInvalidBody, or, with on_invalid <cost>, an
 // estimate of that cost with no completion budget; a body that does not
 // arrive in time is errBodyTimeout, one over request_body's max_size
 // errBodyTooLarge.
 func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage bool) (tokenEstimate, error) {
 	if noContent(r) {
-		return tokenEstimate{}, nil
+		return tokenEstimate{noBody: true}, nil
 	}
 	body, err := e.readBody(w, r)
 	if err == errBodyTimeout || err == errBodyTooLarge {
@@ -149,11 +150,18 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		req, err = llm.ParseRequest(body, e.tok)
 	}
 	if err != nil {
-		est, err := e.invalid()
-		est.form = formBody(r, body)
-		return est, err
+		if formBody(r, body) {
+			// An audio transcription, a file upload: no text or model the
+			// estimate reads. 0 tokens; usage its answer reports settles it.
+			return tokenEstimate{}, nil
+		}
+		return e.invalid()
 	}
-	est := tokenEstimate{prompt: req.PromptTokens, completion: req.Budget(e.DefaultMaxTokens), model: req.Model}
+	defaultMax := e.DefaultMaxTokens
+	if !completes(r.URL.Path) {
+		defaultMax = 0
+	}
+	est := tokenEstimate{prompt: req.PromptTokens, completion: req.Budget(defaultMax), model: req.Model}
 	if streamUsage && req.NeedsStreamUsage() && includesUsage(r.URL.Path) {
 		if out, changed, err := llm.WithStreamUsage(body, req); err == nil && changed {
 			setBody(r, out)
@@ -175,6 +183,15 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 // without a body is the upstream's to refuse).
 func noContent(r *http.Request) bool {
 	return r.ContentLength == 0 // -1: chunked, or an HTTP/2 stream left open
+}
+
+// completes reports whether a request to path generates a completion,
+// and so is charged default_max_tokens when its body sets no budget: not
+// embeddings, moderations, nor Anthropic's count_tokens, whose answers
+// carry no completion (the last two no usage to settle with either).
+func completes(path string) bool {
+	return !strings.HasSuffix(path, "/embeddings") && !strings.HasSuffix(path, "/moderations") &&
+		!strings.HasSuffix(path, "/count_tokens")
 }
 
 // formBody reports whether r's body, of which prefix was read (nil when

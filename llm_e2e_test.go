@@ -1323,3 +1323,100 @@ func TestUpstreamRateLimitHeadersDropped(t *testing.T) {
 		})
 	}
 }
+
+// TestFormsStoredObjectsAndNoCompletion: with cost estimate and settle,
+// behind an upstream that answers as OpenAI does:
+//   - reading a stored response back (GET, no body) charges nothing, though
+//     its answer carries the usage of the request that made it: that usage
+//     was settled then (it used to be charged again on every read, and a
+//     completed batch's usage emptied the key's budget);
+//   - an audio transcription (a multipart form) passes at 0 tokens and is
+//     settled from the usage its answer reports (it used to be 400
+//     invalid_body under any tokens limit);
+//   - a moderation and an embedding generate no completion, so their
+//     estimate is their input alone, without default_max_tokens (a
+//     moderation answer reports no usage, so that estimate stands).
+func TestFormsStoredObjectsAndNoCompletion(t *testing.T) {
+	up := startRawUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		switch r.URL.Path {
+		case "/v1/responses/resp_1":
+			_, _ = io.WriteString(w, `{"id":"resp_1","object":"response","status":"completed","usage":{"input_tokens":40,"output_tokens":50,"total_tokens":90}}`)
+		case "/v1/audio/transcriptions":
+			_, _ = io.WriteString(w, `{"text":"hello","usage":{"type":"tokens","input_tokens":10,"output_tokens":5,"total_tokens":15}}`)
+		case "/v1/moderations":
+			_, _ = io.WriteString(w, `{"id":"modr-1","model":"omni-moderation-latest","results":[{"flagged":false}]}`)
+		case "/v1/embeddings":
+			_, _ = io.WriteString(w, `{"object":"list","data":[],"model":"text-embedding-3-small","usage":{"prompt_tokens":8,"total_tokens":8}}`)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+	g := startGateway(t, fmt.Sprintf(`
+	header >X-Estimated-Cost {http.token_bucket.cost}
+	token_bucket {
+		redis redis://REDIS_ADDR {
+			timeout 10s
+		}
+		dimension user {http.request.header.X-User}
+		tier free {
+			user 1000 1/1h tokens
+		}
+		cost estimate
+		settle
+	}
+	reverse_proxy %s`, up))
+	key := bucket.NewKeyer("rl:", "").Key("user", "alice", "tokens")
+	tr := &http.Transport{MaxConnsPerHost: 1, MaxIdleConnsPerHost: 1}
+	t.Cleanup(tr.CloseIdleConnections)
+	client := &http.Client{Transport: tr, Timeout: time.Minute}
+	send := func(method, path, contentType, body string) e2eResponse {
+		t.Helper()
+		var rd io.Reader
+		if body != "" {
+			rd = strings.NewReader(body)
+		}
+		req, err := http.NewRequest(method, g.url+path, rd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("X-User", "alice")
+		if contentType != "" {
+			req.Header.Set("Content-Type", contentType)
+		}
+		r, err := readResponse(client.Do(req))
+		if err != nil {
+			t.Fatal(err)
+		}
+		// The settlement runs after the answer: a request on the same
+		// connection is read once the handler is done.
+		if _, err := readResponse(client.Get(g.url + "sync")); err != nil {
+			t.Fatal(err)
+		}
+		return r
+	}
+	form := "--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\ngpt-4o-transcribe\r\n--XyZ\r\n" +
+		"Content-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF\r\n--XyZ--\r\n"
+	for _, step := range []struct {
+		what, method, path, contentType, body, cost string
+		tokens                                      int64 // the bucket's whole tokens after
+	}{
+		{"read back a stored response", http.MethodGet, "v1/responses/resp_1", "", "", "0", 1000},
+		{"transcription", http.MethodPost, "v1/audio/transcriptions", "multipart/form-data; boundary=XyZ", form, "0", 985},
+		{"moderation", http.MethodPost, "v1/moderations", "application/json", `{"input":"abcd"}`, "1", 984},
+		{"embedding", http.MethodPost, "v1/embeddings", "application/json", `{"model":"text-embedding-3-small","input":"abcd"}`, "1", 976},
+	} {
+		r := send(step.method, step.path, step.contentType, step.body)
+		if r.status != http.StatusOK || r.header.Get("X-Estimated-Cost") != step.cost {
+			t.Fatalf("%s: %d, estimated cost %q; want 200 with %s: %s", step.what, r.status, r.header.Get("X-Estimated-Cost"), step.cost, r.body)
+		}
+		got := int64(1000)
+		if v := g.value(key); v != "" {
+			got = storedTokens(t, g.rdb, key)
+		}
+		if got != step.tokens {
+			t.Errorf("%s: the tokens bucket holds %d, want %d", step.what, got, step.tokens)
+		}
+	}
+}

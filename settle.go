@@ -152,7 +152,7 @@ func (h *Handler) serveNext(x *exchange, v *verdict, next caddyhttp.Handler) err
 		defer s.release()
 	}
 	switch {
-	case h.Settle != nil && v.decided && v.req.hasTokens():
+	case h.Settle != nil && v.decided && v.req.hasTokens() && !x.est.noBody:
 		// With settle.header the body is not read for usage.
 		rec := &usageRecorder{ResponseWriter: x.w, read: h.Settle.Header == "", filterUsage: x.est.streamUsage}
 		defer h.settle(x.r, x.repl, v, rec)
