@@ -145,12 +145,17 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 	if err == errBodyTimeout || err == errBodyTooLarge {
 		return tokenEstimate{}, err
 	}
+	if err == nil && len(body) == 0 {
+		// No body after all, where none was declared (HTTP/3, whose
+		// requests give no Content-Length; an empty chunked body).
+		return tokenEstimate{noBody: true}, nil
+	}
 	var req llm.Request
 	if err == nil {
 		req, err = llm.ParseRequest(body, e.tok)
 	}
 	if err != nil {
-		if formBody(r, body) {
+		if uploads(r.URL.Path) && formBody(r, body) {
 			// An audio transcription, a file upload: no text or model the
 			// estimate reads. 0 tokens; usage its answer reports settles it.
 			return tokenEstimate{}, nil
@@ -187,11 +192,34 @@ func noContent(r *http.Request) bool {
 
 // completes reports whether a request to path generates a completion,
 // and so is charged default_max_tokens when its body sets no budget: not
-// embeddings, moderations, nor Anthropic's count_tokens, whose answers
-// carry no completion (the last two no usage to settle with either).
+// embeddings (OpenAI's /embeddings, Ollama's /api/embed), moderations, nor
+// a token count (Anthropic's /count_tokens, OpenAI's /input_tokens), whose
+// answers carry no completion (the last two no usage to settle with
+// either). A trailing slash is ignored.
 func completes(path string) bool {
-	return !strings.HasSuffix(path, "/embeddings") && !strings.HasSuffix(path, "/moderations") &&
-		!strings.HasSuffix(path, "/count_tokens")
+	path = strings.TrimRight(path, "/")
+	for _, s := range [...]string{"/embeddings", "/embed", "/moderations", "/count_tokens", "/input_tokens"} {
+		if strings.HasSuffix(path, s) {
+			return false
+		}
+	}
+	return true
+}
+
+// uploads reports whether a request to path is one whose body is a form
+// for the providers: OpenAI's audio transcriptions and translations, file
+// and upload parts, image edits and variations. A form to another path (a
+// chat completion sent as "form" data, which LiteLLM's proxy reads as the
+// request, as Starlette reads a UTF-16 JSON body whatever its label) is an
+// invalid body, not a free one.
+func uploads(path string) bool {
+	path = strings.TrimRight(path, "/")
+	for _, s := range [...]string{"/audio/transcriptions", "/audio/translations", "/files", "/images/edits", "/images/variations", "/parts"} {
+		if strings.HasSuffix(path, s) {
+			return true
+		}
+	}
+	return false
 }
 
 // formBody reports whether r's body, of which prefix was read (nil when

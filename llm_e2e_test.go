@@ -1419,4 +1419,59 @@ func TestFormsStoredObjectsAndNoCompletion(t *testing.T) {
 			t.Errorf("%s: the tokens bucket holds %d, want %d", step.what, got, step.tokens)
 		}
 	}
+	// A form is free only where the providers take one: a chat request
+	// sent as form data (LiteLLM's proxy reads it as the request), or as
+	// UTF-16 JSON labelled a form (Starlette's json.loads reads it), is
+	// an invalid body.
+	utf16 := string([]byte{0, '{', 0, '}'})
+	for _, tc := range []struct{ contentType, body string }{
+		{"application/x-www-form-urlencoded", "model=gpt-4o&messages=hi&stream=true"},
+		{"multipart/form-data; boundary=XyZ", form},
+		{"application/x-www-form-urlencoded", utf16},
+	} {
+		if r := send(http.MethodPost, "v1/chat/completions", tc.contentType, tc.body); r.status != http.StatusBadRequest {
+			t.Errorf("a %s body to chat completions: %d %q, want 400", tc.contentType, r.status, r.body)
+		}
+	}
+	// A body-less read-back whose request declares no length (as every
+	// HTTP/3 request does; here an empty chunked body) is no body either.
+	req, err := http.NewRequest(http.MethodGet, g.url+"v1/responses/resp_1", strings.NewReader(""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.ContentLength = -1
+	req.TransferEncoding = []string{"chunked"}
+	req.Header.Set("X-User", "alice")
+	r, err := readResponse(client.Do(req))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := readResponse(client.Get(g.url + "sync")); err != nil {
+		t.Fatal(err)
+	}
+	if r.status != http.StatusOK || r.header.Get("X-Estimated-Cost") != "0" {
+		t.Errorf("a read-back with an empty chunked body: %d, estimated cost %q; want 200 with 0", r.status, r.header.Get("X-Estimated-Cost"))
+	}
+	if got := storedTokens(t, g.rdb, key); got != 976 {
+		t.Errorf("after the chunked read-back the tokens bucket holds %d, want 976 (not settled)", got)
+	}
+}
+
+// TestCompletesAndUploads: which paths get default_max_tokens, and which
+// take a form.
+func TestCompletesAndUploads(t *testing.T) {
+	for path, want := range map[string]bool{"/v1/chat/completions": true, "/v1/completions": true, "/v1/responses": true,
+		"/v1/messages": true, "/v1/embeddings": false, "/v1/embeddings/": false, "/api/embed": false, "/api/embeddings": false,
+		"/v1/moderations": false, "/v1/messages/count_tokens": false, "/v1/responses/input_tokens": false} {
+		if got := completes(path); got != want {
+			t.Errorf("completes(%q) = %v, want %v", path, got, want)
+		}
+	}
+	for path, want := range map[string]bool{"/v1/audio/transcriptions": true, "/v1/audio/translations/": true, "/v1/files": true,
+		"/v1/uploads/upload_1/parts": true, "/v1/images/edits": true, "/v1/images/variations": true,
+		"/v1/chat/completions": false, "/v1/completions": false, "/v1/responses": false, "/v1/embeddings": false} {
+		if got := uploads(path); got != want {
+			t.Errorf("uploads(%q) = %v, want %v", path, got, want)
+		}
+	}
 }
