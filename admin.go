@@ -312,6 +312,34 @@ func forgetDenials(key string) {
 	}
 }
 
+// repeatedMember returns a member of the JSON object raw (already decoded
+// once) whose name, in any case, comes twice, or "". encoding/json matches
+// names in any case and keeps the last: "identity" then "Identity" would
+// name another bucket than the first, where a parameter given twice in the
+// query string is refused.
+func repeatedMember(raw []byte) string {
+	dec := jsontext.NewDecoder(bytes.NewReader(raw), jsontext.AllowDuplicateNames(true))
+	if _, err := dec.ReadToken(); err != nil { // '{'
+		return ""
+	}
+	seen := make(map[string]bool, len(bucketParamNames))
+	for dec.PeekKind() == '"' {
+		tok, err := dec.ReadToken()
+		if err != nil {
+			return ""
+		}
+		name := strings.ToLower(tok.String())
+		if seen[name] {
+			return tok.String()
+		}
+		seen[name] = true
+		if err := dec.SkipValue(); err != nil {
+			return ""
+		}
+	}
+	return ""
+}
+
 // bucketParamNames are the query parameters of a bucket, bucketParams'
 // JSON fields.
 var bucketParamNames = []string{"handler", "tier", "dimension", "unit", "model", "period", "shadow", "identity", "id"}
@@ -337,10 +365,8 @@ func readBucketParams(r *http.Request) (bucketParams, error) {
 		if _, err := dec.Token(); err != io.EOF {
 			return p, apiError(http.StatusBadRequest, "reading the JSON body: one object, and nothing after it")
 		}
-		// encoding/json keeps the last of a member given twice; as a
-		// parameter given twice in the query string, it is refused.
-		if _, err := jsontext.NewDecoder(bytes.NewReader(raw)).ReadValue(); err != nil {
-			return p, apiError(http.StatusBadRequest, "reading the JSON body: "+err.Error())
+		if name := repeatedMember(raw); name != "" {
+			return p, apiError(http.StatusBadRequest, fmt.Sprintf("reading the JSON body: member %q given twice (names match in any case)", name))
 		}
 		return p, nil
 	}
