@@ -806,4 +806,25 @@ func TestDemotionKeepsPenaltyBucketsUntilFull(t *testing.T) {
 	if ms := pttl(t, rdb, key); ms < 2_990_000 || ms > 3_000_000 {
 		t.Errorf("after the demotion the key lives %d ms, want the penalty limit's time until full, about 3000000", ms)
 	}
+
+	// A key only the penalty tier reads, holding what no bucket holds,
+	// does not undo the demotion: it is skipped when the TTLs are raised.
+	const bad, marker2, counter2, key2 = "dt:{v}:bad", "dt:{v}:demoted", "dt:{v}:denials", "dt:{v}"
+	if err := rdb.Set(ctx, bad, "garbage", 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	take2 := func(cost int64) (Demotion, error) {
+		_, state, _, err := st.TakeDemote(ctx, marker2, counter2, rule, []string{key2}, []Take{{Spec: own, Cost: cost}},
+			[]string{key2, bad}, []Take{{Spec: penalty, Cost: cost}, {Spec: penalty, Cost: cost}})
+		return state, err
+	}
+	if state, err := take2(5); err != nil || state != NotDemoted {
+		t.Fatalf("first request: state %d, %v", state, err)
+	}
+	if state, err := take2(1); err != nil || state != DemotedNow {
+		t.Fatalf("second request with a malformed penalty key: state %d, %v; want demoted, no error", state, err)
+	}
+	if ms := pttl(t, rdb, key2); ms < 2_990_000 {
+		t.Errorf("the readable penalty bucket lives %d ms, want about 3000000", ms)
+	}
 }

@@ -62,18 +62,25 @@ else
       -- must live until full under the penalty tier's, or the first
       -- request of the demotion would find them expired, full (see
       -- token_bucket.lua, "Not charged, and not full"). Read them first.
+      -- A key the own tier did not read may hold anything: one that cannot
+      -- be read is skipped (the penalty tier's decision reports it), so
+      -- that it does not undo the demotion after the INCR above. The
+      -- closure is made only when an identity is demoted.
       local raise = {}
       for i = 1, #KEYS - 2 - nn do
         local key, a = KEYS[2 + nn + i], ARGV[1 + nn + i]
-        local cap, refill, scale, _, flags = unpack('<ddddd', a)
-        if floor(flags / 2) == 0 then
+        local ok, full = pcall(function()
+          local cap, refill, scale, _, flags = unpack('<ddddd', a)
+          if floor(flags / 2) ~= 0 then return false end
           local u, last = cap, now
           --[[use load]]
-          if u < cap then
-            --[[use full]]
-            raise[#raise + 1] = key
-            raise[#raise + 1] = full
-          end
+          if u >= cap then return false end
+          --[[use full]]
+          return full
+        end)
+        if ok and type(full) == 'number' then
+          raise[#raise + 1] = key
+          raise[#raise + 1] = full
         end
       end
       call('SET', KEYS[1], '1', 'PX', span)
