@@ -1185,20 +1185,8 @@ func TestLLMExampleRuns(t *testing.T) {
 // invalid_body, so a gateway in front of an LLM API refused every model
 // listing and every cancel.
 func TestRequestsWithoutBodyCostNoTokens(t *testing.T) {
-	g := startGateway(t, `
-	header >X-Estimated-Cost {http.token_bucket.cost}
-	token_bucket {
-		redis redis://REDIS_ADDR {
-			timeout 10s
-		}
-		dimension user {http.request.header.X-User}
-		tier free {
-			user 10 1/1h
-			user 1000 1/1h tokens
-		}
-		cost estimate
-	}
-	respond 200`)
+	g := startGateway(t, "header >X-Estimated-Cost {http.token_bucket.cost}\n"+
+		llmLimiter("user 10 1/1h\n\t\t\t\tuser 1000 1/1h tokens", "cost estimate")+"\nrespond 200")
 	for _, tc := range []struct{ method, path string }{
 		{http.MethodGet, "v1/models"}, {http.MethodHead, "v1/models"}, {http.MethodOptions, "v1/chat/completions"},
 		{http.MethodDelete, "v1/responses/resp_1"}, {http.MethodPost, "v1/responses/resp_1/cancel"},
@@ -1231,22 +1219,8 @@ func TestRequestsWithoutBodyCostNoTokens(t *testing.T) {
 // handler runs) or is chunked (the handler's read meets the limit; it used
 // to answer 400 invalid_body). Nothing is charged.
 func TestRequestBodyMaxSizeBefore(t *testing.T) {
-	g := startGateway(t, `
-	request_body {
-		max_size 1KB
-	}
-	token_bucket {
-		redis redis://REDIS_ADDR {
-			timeout 10s
-		}
-		dimension user {http.request.header.X-User}
-		tier free {
-			user 10 1/1h
-			user 100000 1/1h tokens
-		}
-		cost estimate
-	}
-	respond 200`)
+	g := startGateway(t, "request_body {\n\tmax_size 1KB\n}\n"+
+		llmLimiter("user 10 1/1h\n\t\t\t\tuser 100000 1/1h tokens", "cost estimate")+"\nrespond 200")
 	body := `{"messages":[{"role":"user","content":"` + strings.Repeat("a", 2000) + `"}]}`
 	for _, chunked := range []bool{false, true} {
 		var rd io.Reader = strings.NewReader(body)
@@ -1291,20 +1265,8 @@ func TestUpstreamRateLimitHeadersDropped(t *testing.T) {
 			if drop {
 				downs = "header_down -Ratelimit*\n\t\theader_down -X-Ratelimit-*"
 			}
-			g := startGateway(t, fmt.Sprintf(`
-	token_bucket {
-		redis redis://REDIS_ADDR {
-			timeout 10s
-		}
-		dimension user {http.request.header.X-User}
-		tier free {
-			user 10 1/1h
-		}
-		openai_headers
-	}
-	reverse_proxy %s {
-		%s
-	}`, up, downs))
+			g := startGateway(t, llmLimiter("user 10 1/1h", "openai_headers")+
+				fmt.Sprintf("\nreverse_proxy %s {\n\t%s\n}", up, downs))
 			r := g.get("X-User", "alice")
 			if r.status != http.StatusOK {
 				t.Fatalf("status %d", r.status)
@@ -1353,20 +1315,8 @@ func TestFormsStoredObjectsAndNoCompletion(t *testing.T) {
 			http.NotFound(w, r)
 		}
 	})
-	g := startGateway(t, fmt.Sprintf(`
-	header >X-Estimated-Cost {http.token_bucket.cost}
-	token_bucket {
-		redis redis://REDIS_ADDR {
-			timeout 10s
-		}
-		dimension user {http.request.header.X-User}
-		tier free {
-			user 1000 1/1h tokens
-		}
-		cost estimate
-		settle
-	}
-	reverse_proxy %s`, up))
+	g := startGateway(t, "header >X-Estimated-Cost {http.token_bucket.cost}\n"+
+		llmLimiter("user 1000 1/1h tokens", "cost estimate\n\t\t\tsettle")+"\nreverse_proxy "+up)
 	key := bucket.NewKeyer("rl:", "").Key("user", "alice", "tokens")
 	tr := &http.Transport{MaxConnsPerHost: 1, MaxIdleConnsPerHost: 1}
 	t.Cleanup(tr.CloseIdleConnections)
