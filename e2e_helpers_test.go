@@ -165,6 +165,24 @@ func (g *e2eGateway) get(headers ...string) e2eResponse {
 	return r
 }
 
+// send sends method to path (under the site's root) with body (nil for
+// none) and the headers given as name, value pairs.
+func (g *e2eGateway) send(method, path string, body io.Reader, headers ...string) e2eResponse {
+	g.t.Helper()
+	req, err := http.NewRequest(method, g.url+path, body)
+	if err != nil {
+		g.t.Fatal(err)
+	}
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Set(headers[i], headers[i+1])
+	}
+	r, err := readResponse(g.client.Do(req))
+	if err != nil {
+		g.t.Fatal(err)
+	}
+	return r
+}
+
 // tryGet is get for other goroutines than the test's.
 func (g *e2eGateway) tryGet(headers ...string) (e2eResponse, error) {
 	req, err := http.NewRequest(http.MethodGet, g.url, nil)

@@ -1191,15 +1191,7 @@ func TestRequestsWithoutBodyCostNoTokens(t *testing.T) {
 		{http.MethodGet, "v1/models"}, {http.MethodHead, "v1/models"}, {http.MethodOptions, "v1/chat/completions"},
 		{http.MethodDelete, "v1/responses/resp_1"}, {http.MethodPost, "v1/responses/resp_1/cancel"},
 	} {
-		req, err := http.NewRequest(tc.method, g.url+tc.path, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		req.Header.Set("X-User", "alice")
-		r, err := readResponse(g.client.Do(req))
-		if err != nil {
-			t.Fatal(err)
-		}
+		r := g.send(tc.method, tc.path, nil, "X-User", "alice")
 		if r.status != http.StatusOK || r.header.Get("X-Estimated-Cost") != "0" {
 			t.Errorf("%s /%s without a body: %d, estimated cost %q, want 200 with 0: %s", tc.method, tc.path, r.status, r.header.Get("X-Estimated-Cost"), r.body)
 		}
@@ -1227,15 +1219,7 @@ func TestRequestBodyMaxSizeBefore(t *testing.T) {
 		if chunked {
 			rd = io.MultiReader(rd) // no length: sent chunked
 		}
-		req, err := http.NewRequest(http.MethodPost, g.url+"v1/chat/completions", rd)
-		if err != nil {
-			t.Fatal(err)
-		}
-		req.Header.Set("X-User", "alice")
-		r, err := readResponse(g.client.Do(req))
-		if err != nil {
-			t.Fatal(err)
-		}
+		r := g.send(http.MethodPost, "v1/chat/completions", rd, "X-User", "alice")
 		if r.status != http.StatusRequestEntityTooLarge {
 			t.Errorf("chunked %v: %d %q, want 413", chunked, r.status, r.body)
 		}
