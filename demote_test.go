@@ -11,8 +11,9 @@ import (
 )
 
 // TestDemotionEndToEnd: three denials within the window demote the user to
-// tier penalty; its next request is decided on penalty's limit (a day's
-// wait, not the free tier's hour), says so in the body and the tier header;
+// tier penalty; its next request is decided on penalty's limit and says so
+// in the body and the tier header, and its Retry-After is the free tier's
+// hour, not penalty's day: the demotion ends long before that day;
 // the demotion lapses by itself and the free tier is back. An identity that
 // is never denied is never counted.
 func TestDemotionEndToEnd(t *testing.T) {
@@ -44,9 +45,9 @@ func TestDemotionEndToEnd(t *testing.T) {
 		}
 	}
 	r := g.get("X-User", "alice")
-	if r.status != http.StatusTooManyRequests || r.header.Get("Retry-After") != "86400" ||
+	if r.status != http.StatusTooManyRequests || r.header.Get("Retry-After") != "3600" ||
 		!strings.Contains(r.body, `"tier":"penalty"`) || !strings.Contains(r.body, `"demoted":true`) {
-		t.Fatalf("demoted request: %d, Retry-After %q, body %q; want 429 on tier penalty, 86400", r.status, r.header.Get("Retry-After"), r.body)
+		t.Fatalf("demoted request: %d, Retry-After %q, body %q; want 429 on tier penalty, 3600", r.status, r.header.Get("Retry-After"), r.body)
 	}
 	// The demotion lapses in Redis by itself.
 	base := bucket.NewKeyer("rl:", "").Key("user", "alice", "")

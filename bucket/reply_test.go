@@ -64,14 +64,14 @@ func TestReplyLengths(t *testing.T) {
 	for own := 1; own <= 4; own++ {
 		for penalty := 0; penalty <= 4; penalty++ {
 			marker := fmt.Sprintf("len:{d%d%d}", own, penalty)
-			if got := run(marker, own, penalty); len(got) != 2+3*own || got[0] != 0 {
-				t.Errorf("own tier, %d + %d buckets: reply %v, want 0, 0 and %d values", own, penalty, got, 3*own)
+			if got := run(marker, own, penalty); len(got) != 3+3*own || got[0] != 0 || got[1] != 0 || got[2] != 0 {
+				t.Errorf("own tier, %d + %d buckets: reply %v, want 0, 0, 0 and %d values", own, penalty, got, 3*own)
 			}
 			if err := rdb.Set(ctx, marker, "1", time.Minute).Err(); err != nil {
 				t.Fatal(err)
 			}
-			if got := run(marker, own, penalty); len(got) != 2+3*penalty || got[0] != 1 {
-				t.Errorf("penalty tier, %d + %d buckets: reply %v, want 1, the time left and %d values", own, penalty, got, 3*penalty)
+			if got := run(marker, own, penalty); len(got) != 3+3*penalty || got[0] != 1 || got[2] != 0 {
+				t.Errorf("penalty tier, %d + %d buckets: reply %v, want 1, the time left, 0 and %d values", own, penalty, got, 3*penalty)
 			}
 		}
 	}

@@ -18,10 +18,18 @@ ARGV[1 + i]                    bucket parameters, as in token_bucket.lua,
                                in KEYS order from KEYS[3]
 ARGV[#KEYS]                    the request's lease id, when a bucket is a
                                concurrency limit
-Reply    {demoted, demoted_ms, <token_bucket.lua's reply>}: demoted is 0
-         (the own tier decided), 1 (demoted before: the penalty tier
-         decided), 2 (this denial demoted the identity); demoted_ms is what
-         is left of the demotion.
+Reply    {demoted, demoted_ms, other_ms, <token_bucket.lua's reply>}:
+         demoted is 0 (the own tier decided), 1 (demoted before: the
+         penalty tier decided), 2 (this denial demoted the identity);
+         demoted_ms is what is left of the demotion; other_ms is, for a
+         denial when the tier that decides changes before the deciding
+         tier could serve the request, the wait of the other tier, read
+         without writing: the own tier's, for a demoted request denied for
+         longer than demoted_ms (the own tier decides after that), and the
+         penalty tier's, for the denial that demotes (the penalty tier
+         decides next). It is the longest wait of that tier's enforced
+         buckets, -1 when one of them can never serve the cost or cannot
+         be read, and 0 otherwise.
 ]]
 
 local nn, threshold, window, span = unpack('<dddd', ARGV[1])
@@ -35,9 +43,22 @@ if demoted then ko, ao, n = 2 + nn, 1 + nn, #KEYS - 2 - nn end
 
 --[[use decide]]
 
-local state = 0
+-- When the tier that decides changes before the deciding tier could serve
+-- the request, the other tier's wait is read too (see other_ms above):
+-- buckets KEYS[pk + i], ARGV[pa + i], i = 1..pm; with ttls, its token
+-- buckets that are not full also get their TTLs raised.
+local state, other = 0, 0
+local pk, pa, pm, ttls = 0, 0, 0, false
 if demoted then
   state = 1
+  local longest = 0
+  if not allowed then
+    for i = 1, n do
+      local wait, flags = reply[3 * i - 1], select(5, unpack('<ddddd', ARGV[ao + i]))
+      if flags % 2 == 0 and wait > longest then longest = wait end
+    end
+  end
+  if longest > left then pk, pa, pm = 2, 1, nn end
 else
   left = 0
   -- Only an enforced bucket's denial counts: not a shadow one's, nor a
@@ -57,41 +78,40 @@ else
     local count = call('INCR', KEYS[2])
     if count == 1 then call('PEXPIRE', KEYS[2], window) end
     if count >= threshold then
-      -- The penalty tier's buckets (the same keys, as a rule) took their
-      -- TTLs from the own tier's limits, which may refill them faster: they
-      -- must live until full under the penalty tier's, or the first
-      -- request of the demotion would find them expired, full (see
-      -- token_bucket.lua, "Not charged, and not full"). Read them first.
-      -- A key the own tier did not read may hold anything: one that cannot
-      -- be read is skipped (the penalty tier's decision reports it), so
-      -- that it does not undo the demotion after the INCR above. The
-      -- closure is made only when an identity is demoted.
-      local raise = {}
-      for i = 1, #KEYS - 2 - nn do
-        local key, a = KEYS[2 + nn + i], ARGV[1 + nn + i]
-        local ok, full = pcall(function()
-          local cap, refill, scale, _, flags = unpack('<ddddd', a)
-          if floor(flags / 2) ~= 0 then return false end
-          local u, last = cap, now
-          --[[use load]]
-          if u >= cap then return false end
-          --[[use full]]
-          return full
-        end)
-        if ok and type(full) == 'number' then
-          raise[#raise + 1] = key
-          raise[#raise + 1] = full
-        end
-      end
       call('SET', KEYS[1], '1', 'PX', span)
       call('DEL', KEYS[2])
       state, left = 2, span
-      for j = 1, #raise, 2 do
-        if call('PTTL', raise[j]) < raise[j + 1] then call('PEXPIRE', raise[j], raise[j + 1]) end
-      end
+      -- The penalty tier decides next. Its token buckets (the same keys, as
+      -- a rule) took their TTLs from the own tier's limits, which may refill
+      -- them faster: they must live until full under the penalty tier's, or
+      -- the first request of the demotion would find them expired, full (see
+      -- token_bucket.lua, "Not charged, and not full").
+      pk, pa, pm, ttls = 2 + nn, 1 + nn, #KEYS - 2 - nn, true
     end
   end
 end
+-- A key the deciding tier did not read may hold anything: one that cannot
+-- be read makes the wait -1 and keeps its TTL (a later decision reports
+-- it), so that it does not undo the demotion after the INCR above. The
+-- closures are made only on these rare paths.
+for i = 1, pm do
+  local key, a = KEYS[pk + i], ARGV[pa + i]
+  local ok, wait, ttl = pcall(function()
+    local cap, refill, scale, cost, flags = unpack('<ddddd', a)
+    --[[use peek]]
+    if flags % 2 == 1 then wait = 0 end -- a shadow bucket never makes it wait
+    if not ttls or kind ~= 0 or u >= cap then return wait, false end
+    --[[use full]]
+    return wait, full
+  end)
+  if not ok or type(wait) ~= 'number' then
+    other = -1
+  else
+    if other >= 0 and (wait < 0 or wait > other) then other = wait end
+    if ttl and call('PTTL', key) < ttl then call('PEXPIRE', key, ttl) end
+  end
+end
+table.insert(reply, 1, other)
 table.insert(reply, 1, left)
 table.insert(reply, 1, state)
 return reply

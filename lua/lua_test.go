@@ -15,7 +15,7 @@ func TestScriptsShareBlocks(t *testing.T) {
 		names = append(names, name)
 	}
 	slices.Sort(names)
-	if want := []string{"decide", "full", "load"}; !slices.Equal(names, want) {
+	if want := []string{"decide", "full", "load", "peek"}; !slices.Equal(names, want) {
 		t.Fatalf("blocks %q, want %q", names, want)
 	}
 	for name, b := range blocks {
@@ -23,17 +23,18 @@ func TestScriptsShareBlocks(t *testing.T) {
 			t.Errorf("block %s is not a part of token_bucket.lua", name)
 		}
 	}
-	if !strings.Contains(blocks["decide"], blocks["load"]) || !strings.Contains(blocks["decide"], blocks["full"]) {
-		t.Error("decide does not hold load and full")
+	if !strings.Contains(blocks["decide"], blocks["peek"]) || !strings.Contains(blocks["peek"], blocks["load"]) ||
+		!strings.Contains(blocks["decide"], blocks["full"]) {
+		t.Error("decide does not hold peek (holding load) and full")
 	}
 	for _, c := range []struct {
 		name, source string
-		uses         []string
+		uses         map[string]int // block: times, counting those inside another
 	}{
-		{"demote", DemoteSource, []string{"decide"}},
-		{"batch", BatchSource, []string{"decide"}},
-		{"settle", SettleSource, []string{"load", "full"}},
-		{"refund", RefundSource, []string{"load", "full"}},
+		{"demote", DemoteSource, map[string]int{"decide": 1, "peek": 2, "full": 2}},
+		{"batch", BatchSource, map[string]int{"decide": 1}},
+		{"settle", SettleSource, map[string]int{"load": 1, "full": 1}},
+		{"refund", RefundSource, map[string]int{"load": 1, "full": 1}},
 	} {
 		if !strings.HasPrefix(c.source, prelude) || !strings.Contains(prelude, ClockLine) {
 			t.Errorf("%s does not start with token_bucket.lua's prelude and clock", c.name)
@@ -42,9 +43,9 @@ func TestScriptsShareBlocks(t *testing.T) {
 		if strings.Contains(rest, "--[[use ") {
 			t.Errorf("%s keeps a use line", c.name)
 		}
-		for _, u := range c.uses {
-			if n := strings.Count(rest, blocks[u]); n != 1 {
-				t.Errorf("%s holds block %s %d times, want 1", c.name, u, n)
+		for u, want := range c.uses {
+			if n := strings.Count(rest, blocks[u]); n != want {
+				t.Errorf("%s holds block %s %d times, want %d", c.name, u, n, want)
 			}
 		}
 	}

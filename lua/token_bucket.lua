@@ -76,6 +76,11 @@ another script has the marker comment "use NAME". The blocks are:
   full    declares `full`: the milliseconds, rounded up, until a bucket
           holding `u` units with state time `last` is full (its TTL); a
           clock that stepped back (last > now) adds the difference.
+  peek    reads bucket `key` with parameters `a` (unpacked into `cap,
+          refill, scale, cost, flags`) without writing, and declares
+          `kind, u, last, reserve, wait`: its kind, the units (free slots,
+          quota left) it holds now, its state time (a quota's window end),
+          its max_wait_ms, and its wait for `cost` as in the reply.
   decide  decides the n buckets KEYS[ko + i], ARGV[ao + i], i = 1..n, and
           declares `reply` and `allowed`.
 ]]
@@ -109,6 +114,7 @@ local ms = floor(now / 1000)
 for i = 1, n do
   local key, a = KEYS[ko + i], ARGV[ao + i]
   local cap, refill, scale, cost, flags = unpack('<ddddd', a)
+  --[[block peek]]
   local kind = floor(flags / 2)
   local u, last, reserve = cap, now, 0
   if kind == 1 then
@@ -166,6 +172,7 @@ for i = 1, n do
     wait = floor(d / per)
     if wait * per < d then wait = wait + 1 end
   end
+  --[[end peek]]
   if wait ~= 0 and flags % 2 == 0 and (wait < 0 or wait > reserve) then allowed = false end
   local j = 3 * i
   reply[j - 2] = u
