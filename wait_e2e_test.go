@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -17,6 +18,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/caddyserver/caddy/v2"
 
 	"github.com/token-bucket/token_bucket/bucket"
 	"github.com/token-bucket/token_bucket/internal/redistest"
@@ -1340,4 +1343,91 @@ func TestWaitMaxWaitingBoundsAFlood(t *testing.T) {
 		idleG, connG, peakG, tailLeft, tailG, answeredG, goneG, peakHeld, samples, heldAfter)
 	t.Logf("gateway live heap: idle %s, connected %s, all answered %s, clients gone %s; RSS idle %s, all answered %s",
 		mib(idleHeap), mib(connHeap), mib(answeredHeap), mib(goneHeap), mib(idleRSS), mib(answeredRSS))
+}
+
+// waitPlacesHandler is a handler in this process, deciding through proxy
+// with pipeline off (each call on its own connection, so that one reply
+// held by the proxy holds no other): "user 1 1/s", on_limit wait 5s,
+// max_waiting 1.
+func waitPlacesHandler(t *testing.T, proxy *redistest.Proxy) *Handler {
+	off := false
+	h := foHandler(&RedisConfig{Address: []string{proxy.Addr}, Timeout: caddy.Duration(30 * time.Second), Pipeline: &off}, PolicyDeny, 1)
+	h.Tiers[0].Limits[0].RefillRate = 1 // a token a second
+	h.OnLimit, h.MaxWait, h.MaxWaiting = LimitWait, caddy.Duration(5*time.Second), 1
+	return provisionHandler(t, h)
+}
+
+// TestWaitPlacesAreTakenByHeldRequests: max_waiting bounds the requests
+// held, not those being decided. With max_waiting 1, a request that needs
+// a hold is held while another client's request, which will not be held,
+// waits on Redis (its reply held up by the network); it used to find the
+// one place taken by that request and be denied.
+func TestWaitPlacesAreTakenByHeldRequests(t *testing.T) {
+	srv := redistest.Start(t)
+	proxy := redistest.StartProxy(t)
+	proxy.SetTarget(srv.Addr)
+	h := waitPlacesHandler(t, proxy)
+	if r := serveUser(h, "held"); r.status != http.StatusOK {
+		t.Fatalf("first request: %d", r.status)
+	}
+	proxy.DelayReplyTo("evalsha", 3*time.Second)
+	busy := make(chan served, 1)
+	go func() { busy <- serveUser(h, "busy") }()
+	redistest.WaitFor(t, 10*time.Second, "the other client's call to be sent", func() error {
+		if proxy.Armed() {
+			return errors.New("not yet")
+		}
+		return nil
+	})
+	if r := serveUser(h, "held"); r.status != http.StatusOK || !r.passed {
+		t.Errorf("the request a hold serves: %d (passed on %v, Retry-After %q); want held, then served", r.status, r.passed, r.header.Get("Retry-After"))
+	}
+	if r := <-busy; r.status != http.StatusOK || !r.passed {
+		t.Errorf("the other client's request: %d, want 200", r.status)
+	}
+	if n := h.waiting.Load(); n != 0 {
+		t.Errorf("%d places taken after every request ended, want 0", n)
+	}
+}
+
+// TestWaitPlaceFilledDuringDecision: a request offered a reservation
+// whose place is taken by another request held while Redis decided it
+// (here, the test fills the one place while the reply is held up) is
+// given its reservation back and denied as on_limit reject denies: 429
+// with its whole wait, the remaining tokens as they stood, and no charge
+// kept.
+func TestWaitPlaceFilledDuringDecision(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	proxy := redistest.StartProxy(t)
+	proxy.SetTarget(srv.Addr)
+	h := waitPlacesHandler(t, proxy)
+	key := h.keyer.Key("user", "late", "")
+	if r := serveUser(h, "late"); r.status != http.StatusOK {
+		t.Fatalf("first request: %d", r.status)
+	}
+	proxy.DelayReplyTo("evalsha", 3*time.Second)
+	done := make(chan served, 1)
+	go func() { done <- serveUser(h, "late") }()
+	redistest.WaitFor(t, 10*time.Second, "the call to be sent", func() error {
+		if proxy.Armed() {
+			return errors.New("not yet")
+		}
+		return nil
+	})
+	h.waiting.Add(1) // another request is held meanwhile
+	defer h.waiting.Add(-1)
+	r := <-done
+	ms, err := strconv.ParseInt(r.header.Get("Retry-After-Ms"), 10, 64)
+	if r.status != http.StatusTooManyRequests || r.passed || err != nil || ms < 1 || ms > 1000 ||
+		r.header.Get("Retry-After") != "1" || r.header.Get("X-RateLimit-Remaining") != "0" {
+		t.Fatalf("the request whose place was taken: %d (passed on %v), Retry-After %q, Retry-After-Ms %q, X-RateLimit-Remaining %q; want 429 with its whole wait, up to 1000 ms, and 0 remaining",
+			r.status, r.passed, r.header.Get("Retry-After"), r.header.Get("Retry-After-Ms"), r.header.Get("X-RateLimit-Remaining"))
+	}
+	// Given back: the bucket is not below zero, as a kept reservation leaves it.
+	if v, err := rdb.Get(context.Background(), key).Result(); err == nil {
+		if st, err := bucket.DecodeState(v); err != nil || st.Units < 0 {
+			t.Errorf("the bucket after the denial: %+v (%v), want the reservation given back", st, err)
+		}
+	}
 }
