@@ -107,10 +107,12 @@ type tokenEstimate struct {
 	completion  int64  // the completion budget: the body's, else default_max_tokens
 	streamUsage bool   // stream_options.include_usage was added to the body
 	model       string // the body's model, "" when it has none
-	// noBody: the request had no body. It asked the model for nothing, so
-	// usage in its answer (a stored response or batch, read back) is not
-	// its own, and is not settled.
-	noBody bool
+	// noInference: the request runs no model. It has no body (a list, a
+	// read-back of a stored response or batch, a cancel), or it counts
+	// tokens (see countsTokens). It costs 0 tokens, and usage in its answer
+	// (a stored response's, read back) is not its own, so it is not
+	// settled.
+	noInference bool
 }
 
 // cost is the charge of the estimate against tokens limits whose smallest
@@ -131,15 +133,16 @@ func (e tokenEstimate) cost(capacity int64) int64 {
 // estimate reads r's body, restores it, and estimates its tokens. With
 // streamUsage (settle { include_usage }), an OpenAI chat or completions
 // stream (see includesUsage) that does not ask for its usage is sent on
-// with stream_options.include_usage added. A request without a body, and
-// a form (see formBody), is 0 tokens (see noContent). A body
+// with stream_options.include_usage added. A request without a body (see
+// noContent), a token count (see countsTokens) and a form (see formBody)
+// are 0 tokens. A body
 // that cannot be read is errInvalidBody, or, with on_invalid <cost>, an
 // estimate of that cost with no completion budget; a body that does not
 // arrive in time is errBodyTimeout, one over request_body's max_size
 // errBodyTooLarge.
 func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage bool) (tokenEstimate, error) {
 	if noContent(r) {
-		return tokenEstimate{noBody: true}, nil
+		return tokenEstimate{noInference: true}, nil
 	}
 	body, err := e.readBody(w, r)
 	if err == errBodyTimeout || err == errBodyTooLarge {
@@ -148,7 +151,7 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 	if err == nil && len(body) == 0 {
 		// No body after all, where none was declared (HTTP/3, whose
 		// requests give no Content-Length; an empty chunked body).
-		return tokenEstimate{noBody: true}, nil
+		return tokenEstimate{noInference: true}, nil
 	}
 	var req llm.Request
 	if err == nil {
@@ -161,6 +164,9 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 			return tokenEstimate{}, nil
 		}
 		return e.invalid()
+	}
+	if countsTokens(r.URL.Path) {
+		return tokenEstimate{model: req.Model, noInference: true}, nil
 	}
 	defaultMax := e.DefaultMaxTokens
 	if !completes(r.URL.Path) {
@@ -192,18 +198,29 @@ func noContent(r *http.Request) bool {
 
 // completes reports whether a request to path generates a completion,
 // and so is charged default_max_tokens when its body sets no budget: not
-// embeddings (OpenAI's /embeddings, Ollama's /api/embed), moderations, nor
-// a token count (Anthropic's /count_tokens, OpenAI's /input_tokens), whose
-// answers carry no completion (the last two no usage to settle with
-// either). A trailing slash is ignored.
+// embeddings (OpenAI's /embeddings, Ollama's /api/embed) nor moderations,
+// whose answers carry no completion. A trailing slash is ignored.
 func completes(path string) bool {
 	path = strings.TrimRight(path, "/")
-	for _, s := range [...]string{"/embeddings", "/embed", "/moderations", "/count_tokens", "/input_tokens"} {
+	for _, s := range [...]string{"/embeddings", "/embed", "/moderations"} {
 		if strings.HasSuffix(path, s) {
 			return false
 		}
 	}
 	return true
+}
+
+// countsTokens reports whether a request to path counts its prompt's
+// tokens without running the model: Anthropic's /v1/messages/count_tokens
+// and OpenAI's /v1/responses/input_tokens. The providers serve both free
+// (Anthropic: "free to use but subject to requests per minute rate
+// limits", with limits of their own apart from message creation), and
+// their answers report a count, not usage, so charging the prompt would
+// bill a client that counts before it sends twice for one prompt, and
+// never give it back. A trailing slash is ignored.
+func countsTokens(path string) bool {
+	path = strings.TrimRight(path, "/")
+	return strings.HasSuffix(path, "/count_tokens") || strings.HasSuffix(path, "/input_tokens")
 }
 
 // uploads reports whether a request to path is one whose body is a form

@@ -10,6 +10,7 @@ import (
 	"io"
 	"mime"
 	"net/http"
+	"net/http/httptest"
 	"net/http/httptrace"
 	"os"
 	"strconv"
@@ -1391,14 +1392,20 @@ func TestFormsStoredObjectsAndNoCompletion(t *testing.T) {
 	}
 }
 
-// TestCompletesAndUploads: which paths get default_max_tokens, and which
-// take a form.
+// TestCompletesAndUploads: which paths get default_max_tokens, which count
+// tokens, and which take a form.
 func TestCompletesAndUploads(t *testing.T) {
 	for path, want := range map[string]bool{"/v1/chat/completions": true, "/v1/completions": true, "/v1/responses": true,
 		"/v1/messages": true, "/v1/embeddings": false, "/v1/embeddings/": false, "/api/embed": false, "/api/embeddings": false,
-		"/v1/moderations": false, "/v1/messages/count_tokens": false, "/v1/responses/input_tokens": false} {
+		"/v1/moderations": false} {
 		if got := completes(path); got != want {
 			t.Errorf("completes(%q) = %v, want %v", path, got, want)
+		}
+	}
+	for path, want := range map[string]bool{"/v1/messages/count_tokens": true, "/v1/messages/count_tokens/": true,
+		"/v1/responses/input_tokens": true, "/v1/messages": false, "/v1/responses": false, "/v1/chat/completions": false} {
+		if got := countsTokens(path); got != want {
+			t.Errorf("countsTokens(%q) = %v, want %v", path, got, want)
 		}
 	}
 	for path, want := range map[string]bool{"/v1/audio/transcriptions": true, "/v1/audio/translations/": true, "/v1/files": true,
@@ -1407,5 +1414,66 @@ func TestCompletesAndUploads(t *testing.T) {
 		if got := uploads(path); got != want {
 			t.Errorf("uploads(%q) = %v, want %v", path, got, want)
 		}
+	}
+}
+
+// TestProxyFailureSettlement: a reverse_proxy that cannot connect to its
+// upstream sent no byte of the request, so its 502 gives the estimate back;
+// one whose upstream took the request and did not answer in time (a 504
+// after response_header_timeout) may have run the model, and keeps it.
+func TestProxyFailureSettlement(t *testing.T) {
+	stop := make(chan struct{})
+	silent := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		<-stop // took the request; never answers
+	}))
+	t.Cleanup(silent.Close)
+	t.Cleanup(func() { close(stop) })
+	dead := fmt.Sprintf("127.0.0.1:%d", redistest.FreePort(t)) // nothing listens
+	limiter := llmLimiter("user 100000 1/1h tokens", "cost estimate\n\t\t\tsettle")
+	g := startGateway(t, `
+	handle_errors {
+		header X-Estimated-Cost {http.token_bucket.cost}
+		respond {err.status_code} {err.status_code}
+	}
+	handle /dead/* {
+		`+limiter+`
+		reverse_proxy `+dead+`
+	}
+	handle {
+		`+limiter+`
+		reverse_proxy `+strings.TrimPrefix(silent.URL, "http://")+` {
+			transport http {
+				response_header_timeout 300ms
+			}
+		}
+	}`)
+	const body = `{"model":"gpt-4o","max_tokens":100,"messages":[{"role":"user","content":"hello"}]}`
+	keyer := bucket.NewKeyer("rl:", "")
+
+	// The settlement runs before the handler returns the proxy's error,
+	// which handle_errors then answers: it is stored when the client has
+	// the 502.
+	r := g.send(http.MethodPost, "dead/v1/chat/completions", strings.NewReader(body), "X-User", "dial", "Content-Type", "application/json")
+	if r.status != http.StatusBadGateway || r.header.Get("X-Estimated-Cost") == "" || r.header.Get("X-Estimated-Cost") == "0" {
+		t.Fatalf("unreachable upstream: %d, estimated cost %q; want 502 with an estimate", r.status, r.header.Get("X-Estimated-Cost"))
+	}
+	key := keyer.Key("user", "dial", "tokens")
+	if v := g.value(key); v != "" {
+		n, _ := decodeTokens(t, v)
+		t.Errorf("after the 502 the bucket holds %d tokens, want none stored (full): the estimate given back", n)
+	}
+	if n := len(g.rdb.Keys(context.Background(), key+":settled:*").Val()); n != 1 {
+		t.Errorf("%d settlement markers, want 1", n)
+	}
+
+	r = g.send(http.MethodPost, "v1/chat/completions", strings.NewReader(body), "X-User", "timeout", "Content-Type", "application/json")
+	est, err := strconv.ParseInt(r.header.Get("X-Estimated-Cost"), 10, 64)
+	if r.status != http.StatusGatewayTimeout || err != nil || est <= 100 {
+		t.Fatalf("silent upstream: %d, estimated cost %q; want 504 with an estimate over the 100-token budget", r.status, r.header.Get("X-Estimated-Cost"))
+	}
+	key = keyer.Key("user", "timeout", "tokens")
+	if got := storedTokens(t, g.rdb, key); got != 100000-est {
+		t.Errorf("after the 504 the bucket holds %d tokens, want %d: the estimate %d kept", got, 100000-est, est)
 	}
 }

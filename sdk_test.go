@@ -881,3 +881,75 @@ func TestSDKOpenAIModelsList(t *testing.T) {
 		t.Errorf("Redis holds %q, want the requests bucket alone", keys)
 	}
 }
+
+// TestSDKFailedCallsGiveTheEstimateBack: the providers bill no call that
+// fails, and the SDKs retry 5xx (Anthropic's 529 overloaded_error
+// included) twice by default. Each failed attempt is settled at 0 tokens,
+// so after the SDK gives up the tokens bucket is full again, not three
+// estimates short; a 400 the same, after its one attempt.
+func TestSDKFailedCallsGiveTheEstimateBack(t *testing.T) {
+	const capacity = 100000
+	lg := sdkGateway(t, llmLimiter("user 100000 1/1h tokens", "cost estimate\n\t\t\tsettle"), sdkUsage)
+	for _, tc := range []struct {
+		name, scenario string
+		status         int
+		attempts       int
+	}{
+		{"openai_500", "openai.chat", http.StatusInternalServerError, 3},
+		{"anthropic_529", "anthropic.messages", 529, 3},
+		{"openai_400", "openai.chat", http.StatusBadRequest, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			lg.up.SetReply(func(*providertest.Request) providertest.Reply {
+				return providertest.Reply{Status: tc.status}
+			})
+			user := "failed-" + tc.name
+			key := bucket.NewKeyer("rl:", "").Key("user", user, "tokens")
+			before := len(lg.up.Requests())
+			c := runSDK(t, tc.scenario, lg.url, sdkOptions{Headers: map[string]string{"X-User": user}, Params: map[string]any{"max_tokens": 4096}})[0]
+			if c.Error == nil || c.Error.Status != tc.status || len(c.Attempts) != tc.attempts {
+				t.Fatalf("the SDK: error %+v, attempts %+v; want %d attempts, then an error with status %d", c.Error, c.Attempts, tc.attempts, tc.status)
+			}
+			for i, a := range c.Attempts {
+				if a.Status != tc.status || estimatedCost(t, a) < 4096 {
+					t.Errorf("attempt %d: status %d, estimated cost %s; want %d, charged the 4096-token budget and more", i, a.Status, a.Headers["x-estimated-cost"], tc.status)
+				}
+			}
+			if n := len(lg.up.Requests()) - before; n != tc.attempts {
+				t.Errorf("the upstream saw %d requests, want %d", n, tc.attempts)
+			}
+			lg.waitMarkers(key, tc.attempts)
+			// A bucket settled back to full has no key: expiry is a full bucket.
+			if st, ok := lg.state(key); ok && wholeTokens(st) != capacity {
+				t.Errorf("after %d failed attempts the bucket holds %d whole tokens, want %d: every estimate given back", tc.attempts, wholeTokens(st), capacity)
+			}
+		})
+	}
+}
+
+// TestSDKCountTokensIsFree: Anthropic serves token counting free, with
+// rate limits of its own. The SDK's messages.countTokens costs its
+// requests limit and 0 tokens, and is not settled (the count is not
+// usage): a client that counts before it sends pays for the prompt once.
+func TestSDKCountTokensIsFree(t *testing.T) {
+	lg := sdkGateway(t, llmLimiter("user 100 1/1h\n\t\t\t\tuser 100000 1/1h tokens", "cost estimate\n\t\t\tsettle"), providertest.Usage{Input: 12000})
+	user := "counter"
+	keyer := bucket.NewKeyer("rl:", "")
+	tokens, requests := keyer.Key("user", user, "tokens"), keyer.Key("user", user, "")
+	for i := 1; i <= 3; i++ {
+		c := runSDK(t, "anthropic.countTokens", lg.url, sdkOptions{Headers: map[string]string{"X-User": user}})[0]
+		a := okCall(t, fmt.Sprintf("count %d", i), c)
+		if string(c.Result) != `{"input_tokens":12000}` || estimatedCost(t, a) != 0 {
+			t.Fatalf("count %d: the SDK returned %s, estimated cost %d; want the count, and 0", i, c.Result, estimatedCost(t, a))
+		}
+		if got := storedTokens(t, lg.rdb, requests); got != 100-int64(i) {
+			t.Errorf("after count %d the requests bucket holds %d, want %d", i, got, 100-i)
+		}
+	}
+	if seen := lg.up.last(t); seen.Path != "/v1/messages/count_tokens" {
+		t.Fatalf("the upstream saw %s", seen.Path)
+	}
+	if v := lg.value(tokens); v != "" || len(lg.markers(tokens)) != 0 {
+		t.Errorf("the tokens bucket was charged or settled: %q, %d markers", v, len(lg.markers(tokens)))
+	}
+}

@@ -2,6 +2,7 @@ package tokenbucket
 
 import (
 	"context"
+	"errors"
 	"net/http"
 	"strings"
 
@@ -9,6 +10,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/token-bucket/token_bucket/bucket"
 	"github.com/token-bucket/token_bucket/llm"
@@ -31,8 +33,10 @@ import (
 // gateway is settled however the response ends: a client that goes away or
 // an upstream that aborts after the usage does not keep the estimate in
 // place. A response without usage settles at the estimate (nothing
-// changes); so does usage with a negative, fractional or overflowing
-// number, which is logged and counted (settlements_total{outcome=
+// changes), but for a request that reached no model (an error answer, an
+// upstream reverse_proxy could not connect to: see notRun), which settles
+// at 0; usage with a negative, fractional or overflowing number keeps the
+// estimate too, and is logged and counted (settlements_total{outcome=
 // "invalid"}). A request is never given back more than it was charged.
 type Settle struct {
 	// Header names a response header that carries the total tokens used;
@@ -59,6 +63,8 @@ type usageRecorder struct {
 	read        bool // read the usage: the response is settled
 	filterUsage bool // the body was sent with include_usage added
 	wroteHeader bool
+	code        int                   // the final status, from the first WriteHeader
+	unsent      bool                  // next failed to reach the upstream (see notRun)
 	usage       *llm.UsageReader      // from the first WriteHeader
 	filter      *llm.UsageChunkFilter // nil: the client gets every byte
 }
@@ -67,7 +73,7 @@ type usageRecorder struct {
 // Content-Type and Content-Encoding.
 func (rec *usageRecorder) WriteHeader(code int) {
 	if !rec.wroteHeader && code >= 200 {
-		rec.wroteHeader = true
+		rec.wroteHeader, rec.code = true, code
 		hdr := rec.Header()
 		ct, ce := hdr.Get("Content-Type"), strings.Join(hdr.Values("Content-Encoding"), ",")
 		if rec.read {
@@ -100,6 +106,19 @@ func (rec *usageRecorder) Write(p []byte) (int, error) {
 		return len(p), nil
 	}
 	return rec.ResponseWriter.Write(p)
+}
+
+// notRun reports whether the request reached no model: the upstream
+// answered an error (4xx, 5xx), or reverse_proxy could not connect to any
+// upstream (a DialError: no byte of the request was sent, as Caddy's own
+// retry rule holds). OpenAI and Anthropic bill no request that fails (a
+// 400, a 429, Anthropic's 529 overloaded_error), and the SDKs retry 408,
+// 409, 429 and 5xx twice by default, so an estimate kept for each would
+// charge one failed call three times. A failure after the request was
+// sent (a timeout, a connection broken while waiting for the answer) may
+// have run the model, and is not one.
+func (rec *usageRecorder) notRun() bool {
+	return rec.code >= 400 || rec.unsent
 }
 
 // Unwrap lets http.ResponseController reach Flush and the rest.
@@ -152,11 +171,13 @@ func (h *Handler) serveNext(x *exchange, v *verdict, next caddyhttp.Handler) err
 		defer s.release()
 	}
 	switch {
-	case h.Settle != nil && v.decided && v.req.hasTokens() && !x.est.noBody:
+	case h.Settle != nil && v.decided && v.req.hasTokens() && !x.est.noInference:
 		// With settle.header the body is not read for usage.
 		rec := &usageRecorder{ResponseWriter: x.w, read: h.Settle.Header == "", filterUsage: x.est.streamUsage}
 		defer h.settle(x.r, x.repl, v, rec)
-		return next.ServeHTTP(rec, x.r)
+		err := next.ServeHTTP(rec, x.r)
+		rec.unsent = !rec.wroteHeader && errors.As(err, new(reverseproxy.DialError))
+		return err
 	case x.est.streamUsage:
 		rec := &usageRecorder{ResponseWriter: x.w, filterUsage: true}
 		defer rec.finish(&Settle{}) // writes what the filter holds
@@ -168,9 +189,14 @@ func (h *Handler) serveNext(x *exchange, v *verdict, next caddyhttp.Handler) err
 // settle charges or gives back the difference between the request's
 // estimate and the usage its response reports, after the response: in
 // Redis, or in the local store for a request that on_redis_error local
-// decided (in the buckets it was charged in, at their local_share).
+// decided (in the buckets it was charged in, at their local_share). A
+// request that reached no model (see notRun) and reports no usage is
+// settled at 0 tokens: its estimate is given back.
 func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, v *verdict, rec *usageRecorder) {
 	used, status, partial := rec.finish(h.Settle)
+	if status != llm.Found && rec.notRun() {
+		used, status, partial = 0, llm.Found, false
+	}
 	if status != llm.Found {
 		countSettlement(status.String())
 		if status == llm.Invalid || status == llm.Unreadable {

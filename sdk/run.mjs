@@ -124,6 +124,10 @@ const scenarios = {
 
   'anthropic.messages': async () => ({ result: await anthropic().messages.create(params(claudeDefaults)) }),
 
+  'anthropic.countTokens': async () => ({
+    result: await anthropic().messages.countTokens(params({ model: claudeDefaults.model, messages: claudeDefaults.messages })),
+  }),
+
   'anthropic.stream': async () => {
     const stream = anthropic().messages.stream(params(claudeDefaults));
     const chunks = [];

@@ -36,6 +36,7 @@ const (
 	Responses       API = "responses"        // POST /v1/responses
 	Embeddings      API = "embeddings"       // POST /v1/embeddings
 	Messages        API = "messages"         // POST /v1/messages (Anthropic)
+	CountTokens     API = "count_tokens"     // POST /v1/messages/count_tokens (Anthropic)
 	Models          API = "models"           // GET /v1/models
 )
 
@@ -51,6 +52,8 @@ func apiOf(path string) API {
 		return Embeddings
 	case "/v1/messages":
 		return Messages
+	case "/v1/messages/count_tokens":
+		return CountTokens
 	case "/v1/models":
 		return Models
 	}
@@ -66,7 +69,7 @@ func (a API) method() string {
 }
 
 // Anthropic reports whether the API is Anthropic's (errors in its shape).
-func (a API) Anthropic() bool { return a == Messages }
+func (a API) Anthropic() bool { return a == Messages || a == CountTokens }
 
 // Usage is the token usage an answer reports.
 //
@@ -346,7 +349,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 		a.error(http.StatusNotFound, "", "", fmt.Sprintf("Invalid URL (%s %s)", r.Method, r.URL.Path))
 	case r.Method != req.API.method():
 		a.error(http.StatusMethodNotAllowed, "", "", fmt.Sprintf("Invalid method for URL (%s %s)", r.Method, r.URL.Path))
-	case req.API == Messages && r.Header.Get("Anthropic-Version") == "":
+	case req.API.Anthropic() && r.Header.Get("Anthropic-Version") == "":
 		a.error(http.StatusBadRequest, "", "", "anthropic-version: header is required")
 	case req.API == Models:
 		a.json(http.StatusOK, modelsJSON())
@@ -425,6 +428,13 @@ func (a *answer) answer() {
 		} else {
 			a.json(http.StatusOK, messagesJSON(a.req, a.rep))
 		}
+	case CountTokens:
+		// The count alone, no usage: counting runs no model.
+		var n int64
+		if a.rep.Usage != nil {
+			n = a.rep.Usage.Input
+		}
+		a.json(http.StatusOK, mustJSON(map[string]int64{"input_tokens": n}))
 	}
 }
 
