@@ -1,7 +1,10 @@
 package tokenbucket
 
 import (
+	"bytes"
 	"context"
+	"io"
+	"net/http"
 	"time"
 
 	"go.uber.org/zap"
@@ -97,6 +100,7 @@ func (h *Handler) await(x *exchange, v *verdict) bool {
 	defer h.unwait()
 	t := time.NewTimer(time.Duration(v.d.WaitMS) * time.Millisecond)
 	defer t.Stop()
+	readHeldBody(x.r)
 	select {
 	case <-t.C:
 		return true
@@ -105,6 +109,39 @@ func (h *Handler) await(x *exchange, v *verdict) bool {
 	h.giveBack(x, v.req, &v.d)
 	return false
 }
+
+// maxHeldBody is the most of a held request's body that readHeldBody
+// reads into memory: 1 MiB, the estimate's default max_body.
+const maxHeldBody = DefaultEstimateMaxBody
+
+// readHeldBody reads what is left of an HTTP/1.x request's body, up to
+// maxHeldBody bytes, and makes r read it from memory, so that a client
+// that leaves while its request is held is noticed: net/http watches an
+// HTTP/1.x connection for its close only once the request's body has been
+// read to its end, and a requests limit never reads it (HTTP/2 and HTTP/3
+// see a stream reset at any time). A longer body is left to its reader, as
+// is one that fails (a client gone mid-body, request_body's max_size): its
+// bytes are given again, then the error.
+func readHeldBody(r *http.Request) {
+	if r.ProtoMajor != 1 || r.Body == nil || r.Body == http.NoBody || r.ContentLength == 0 {
+		return
+	}
+	body := r.Body
+	data, err := io.ReadAll(io.LimitReader(body, maxHeldBody+1))
+	switch {
+	case err != nil:
+		r.Body = readCloser{io.MultiReader(bytes.NewReader(data), errorReader{err}), body}
+	case len(data) > maxHeldBody:
+		r.Body = readCloser{io.MultiReader(bytes.NewReader(data), body), body}
+	default:
+		r.Body = readCloser{bytes.NewReader(data), body}
+	}
+}
+
+// errorReader fails every read with its error.
+type errorReader struct{ err error }
+
+func (e errorReader) Read([]byte) (int, error) { return 0, e.err }
 
 // giveBack refunds what an allowed decision d charged req, for a client
 // that went away before it was served: each bucket's cost, each slot.

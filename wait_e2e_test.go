@@ -1431,3 +1431,69 @@ func TestWaitPlaceFilledDuringDecision(t *testing.T) {
 		}
 	}
 }
+
+// TestWaitClientWithBodyLeaves: a POST held by a requests limit, whose
+// body nothing has read, and whose client goes away while it is held: the
+// gateway notices (net/http watches an HTTP/1.1 connection only once the
+// request's body is read), gives the reservation back and never sends the
+// request upstream. It used to hold it to the end, then send it.
+func TestWaitClientWithBodyLeaves(t *testing.T) {
+	up := startWaitE2EUpstream(t)
+	g := startGateway(t, waitE2ESite(up.addr, "user 1 1/2s", "on_limit wait 5s"))
+	spec := llmSpec(t, 1, "1/2s")
+	key := bucket.NewKeyer("rl:", "").Key("user", "poster", "")
+	if r := g.get("X-User", "poster", "X-Req", "p0"); r.status != http.StatusOK {
+		t.Fatalf("first request: %d", r.status)
+	}
+	before := g.value(key)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.url+"v1/chat/completions",
+			strings.NewReader(`{"model":"gpt-4o","messages":[{"role":"user","content":"hello"}]}`))
+		if err == nil {
+			req.Header.Set("X-User", "poster")
+			req.Header.Set("X-Req", "r1")
+			var res *http.Response
+			if res, err = g.client.Do(req); err == nil {
+				res.Body.Close()
+				err = fmt.Errorf("answered %d", res.StatusCode)
+			}
+		}
+		done <- err
+	}()
+	poll := func(what string, ok func(v string) bool) string {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			v := g.value(key)
+			if ok(v) {
+				return v
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: the bucket is %x after 30s", what, v)
+			}
+			time.Sleep(200 * time.Microsecond) // polling; nothing is timed by it
+		}
+	}
+	held := poll("the hold", func(v string) bool { return v != before })
+	st, err := bucket.DecodeState(held)
+	if err != nil || waitE2EHeldMS(spec, st) == 0 {
+		t.Fatalf("R1: bucket %+v (%v), want it held", st, err)
+	}
+	cancel()
+	if err := <-done; err == nil || !strings.Contains(err.Error(), "context canceled") {
+		t.Errorf("R1's client: %v, want its own cancellation", err)
+	}
+	// Given back: the bucket is not below zero (or, on a machine slow
+	// enough, refilled to full: no key). A request still held would keep
+	// it below zero until its slot, then reach the upstream.
+	poll("the refund", func(v string) bool {
+		st, err := bucket.DecodeState(v)
+		return v == "" || (v != held && err == nil && st.Units >= 0)
+	})
+	if _, ok := up.seen()["r1"]; ok {
+		t.Errorf("R1 reached the upstream after its client left")
+	}
+}
