@@ -79,8 +79,9 @@ type collectors struct {
 	// outcome: settled (the usage was read and applied), not_reported (no
 	// usage in the response: the estimate stands), invalid (usage with a
 	// negative, fractional or overflowing number), unreadable (an unknown
-	// or corrupt Content-Encoding, or a compressed body over
-	// llm.MaxEncodedBody), failed (the Redis call failed).
+	// or corrupt Content-Encoding, or a compressed body that decodes past
+	// llm.MaxDecodedBody and llm.MaxDecodeRatio), failed (the Redis call
+	// failed).
 	settlements *prometheus.CounterVec
 
 	localChildren  [numOutcomes]prometheus.Counter

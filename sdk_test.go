@@ -3,9 +3,12 @@ package tokenbucket
 import (
 	"bytes"
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"math/rand/v2"
 	"net/http"
 	"os"
 	"os/exec"
@@ -19,6 +22,7 @@ import (
 	"github.com/token-bucket/token_bucket/bucket"
 	"github.com/token-bucket/token_bucket/internal/providertest"
 	"github.com/token-bucket/token_bucket/internal/redistest"
+	"github.com/token-bucket/token_bucket/llm"
 )
 
 // The official OpenAI and Anthropic SDKs (sdk/package.json), run by Node.js
@@ -951,5 +955,69 @@ func TestSDKCountTokensIsFree(t *testing.T) {
 	}
 	if v := lg.value(tokens); v != "" || len(lg.markers(tokens)) != 0 {
 		t.Errorf("the tokens bucket was charged or settled: %q, %d markers", v, len(lg.markers(tokens)))
+	}
+}
+
+// TestSDKLongCompressedStreamSettles: a client that asks for its own usage
+// chunk keeps its Accept-Encoding (the openai SDK sends gzip), so Caddy's
+// encode compresses the stream. A stream whose compressed bytes pass
+// llm.MaxEncodedBody (here 5000 words of 300 random characters, as
+// top_logprobs makes them) is decoded as it passes, and settles to the
+// usage it reports: it used to keep the estimate, a fraction of a long
+// answer's tokens.
+func TestSDKLongCompressedStreamSettles(t *testing.T) {
+	const capacity = 1_000_000
+	used := providertest.Usage{Input: 12, Output: 120_000}
+	lg := sdkGateway(t, llmLimiter("user 1000000 1/1h tokens", "cost estimate\n\t\t\tsettle")+"\n\t\tencode gzip", used)
+	rnd := rand.New(rand.NewPCG(7, 8))
+	raw := make([]byte, 225)
+	var text strings.Builder
+	for range 5000 {
+		for i := range raw {
+			raw[i] = byte(rnd.Uint32())
+		}
+		text.WriteString(" " + base64.RawURLEncoding.EncodeToString(raw))
+	}
+	lg.up.SetReply(func(*providertest.Request) providertest.Reply {
+		u := used
+		return providertest.Reply{Usage: &u, Text: text.String()}
+	})
+	params := map[string]any{"stream_options": map[string]any{"include_usage": true}}
+
+	// The stream as the gateway sends it, compressed: over the bound.
+	req, err := http.NewRequest(http.MethodPost, lg.url+"v1/chat/completions",
+		strings.NewReader(`{"model":"gpt-4o-mini","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hi"}]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("X-User", "measure")
+	req.Header.Set("Accept-Encoding", "gzip")
+	res, err := lg.client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	enc, err := io.ReadAll(res.Body)
+	res.Body.Close()
+	if err != nil || res.Header.Get("Content-Encoding") != "gzip" || len(enc) <= llm.MaxEncodedBody {
+		t.Fatalf("the stream: %v, Content-Encoding %q, %d bytes; want gzip, over %d", err, res.Header.Get("Content-Encoding"), len(enc), llm.MaxEncodedBody)
+	}
+
+	spec := llmSpec(t, capacity, "1/1h")
+	key := bucket.NewKeyer("rl:", "").Key("user", "long", "tokens")
+	lg.up.watchKeys(lg.rdb, key)
+	c := runSDK(t, "openai.chat.stream", lg.url, sdkOptions{Headers: map[string]string{"X-User": "long"}, Params: params})[0]
+	a := okCall(t, "the stream", c)
+	if got := a.Headers["content-encoding"]; got != "gzip" {
+		t.Errorf("the SDK got Content-Encoding %q, want gzip", got)
+	}
+	if n := len(c.Chunks); n < 5000 {
+		t.Errorf("the SDK read %d chunks, want the 5000 words and more", n)
+	}
+	seen := lg.up.last(t)
+	charged := estimatedCost(t, a)
+	lg.waitMarkers(key, 1)
+	after := lg.settledExactly("the stream", key, spec, seen, charged, used.Total(providertest.ChatCompletions))
+	if got, want := wholeTokens(after), capacity-used.Total(providertest.ChatCompletions); got != want {
+		t.Errorf("after the stream: %d whole tokens, want %d: the %d used, not the estimate %d", got, want, used.Total(providertest.ChatCompletions), charged)
 	}
 }

@@ -29,7 +29,8 @@ import (
 // Caddy's encode directive, which runs inside this handler, included).
 // The response passes through to the client unchanged: the usage is read
 // from a copy as it streams (a compressed body is kept, up to
-// llm.MaxEncodedBody, and decoded once at the end). Usage that reached the
+// llm.MaxEncodedBody, and decoded once at the end; a longer one is decoded
+// as it passes). Usage that reached the
 // gateway is settled however the response ends: a client that goes away or
 // an upstream that aborts after the usage does not keep the estimate in
 // place. A response without usage settles at the estimate (nothing

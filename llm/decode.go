@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"io"
+	"slices"
 	"strings"
 	"sync"
 
@@ -15,18 +16,26 @@ import (
 )
 
 // MaxEncodedBody is the largest compressed body, in bytes as sent, that a
-// UsageReader keeps to decode: over it, the reader reports Unreadable. A
-// compressed chat completion is a few KB. An event stream compressed and
-// flushed event by event (as Caddy's encode handler does) takes about 28
-// bytes an OpenAI chat chunk and 75 bytes an Anthropic text delta with
-// gzip, br or zstd, so this holds streams of some 37,000 OpenAI chunks or
-// 14,000 Anthropic deltas: answers of about 30,000 tokens and more.
+// UsageReader keeps to decode once, at its end. A compressed chat
+// completion is a few KB. An event stream compressed and flushed event by
+// event (as Caddy's encode handler does) takes about 28 bytes an OpenAI
+// chat chunk and 75 bytes an Anthropic text delta with gzip, br or zstd,
+// so this holds streams of some 37,000 OpenAI chunks or 14,000 Anthropic
+// deltas. A longer body is decoded as it is written instead, in a
+// goroutine of its own (see streamDecoder), keeping no more of it: its
+// usage is read however long it is (a client that asks for top_logprobs
+// makes about 450 compressed bytes a token).
 const MaxEncodedBody = 1 << 20
 
-// MaxDecodedBody is the most a UsageReader decodes of a compressed body,
-// in bytes: a body that decodes to more (a decompression bomb) is
-// Unreadable.
-const MaxDecodedBody = 64 << 20
+// MaxDecodedBody and MaxDecodeRatio bound what a UsageReader decodes of a
+// compressed body: a body that decodes to more than MaxDecodedBody bytes
+// and to more than MaxDecodeRatio times its encoded bytes (a decompression
+// bomb: gzip reaches 1032 times) is Unreadable. Text and JSON compress
+// some 3 to 20 times; a long answer past 64 MiB decodes within the ratio.
+const (
+	MaxDecodedBody = 64 << 20
+	MaxDecodeRatio = 64
+)
 
 // maxZstdWindow is the largest zstd window decoded: 8 MiB, what RFC 9659
 // allows the zstd content coding.
@@ -87,7 +96,7 @@ type decodeOutcome uint8
 const (
 	decodeOK       decodeOutcome = iota // to the end, or as far as a cut body goes
 	decodeCorrupt                       // invalid compressed data
-	decodeTooLarge                      // over MaxDecodedBody
+	decodeTooLarge                      // over MaxDecodedBody and MaxDecodeRatio
 )
 
 // Pools of decoders, and of the buffer decoded bytes are read into: a
@@ -117,21 +126,29 @@ type bodyDecoder struct {
 }
 
 // decodeBody decodes enc, compressed with codings in that order, and writes
-// the decoded bytes to w, at most MaxDecodedBody of them. Decoding stops
-// without error where enc ends, even in the middle of a stream: a body
-// still arriving, or cut, decodes as far as its whole blocks go.
+// the decoded bytes to w (see decodeFrom). Decoding stops without error
+// where enc ends, even in the middle of a stream: a body still arriving,
+// or cut, decodes as far as its whole blocks go.
 func decodeBody(enc []byte, codings []coding, w io.Writer) decodeOutcome {
 	s := decodeSourcesPool.Get().(*decodeSources)
 	defer decodeSourcesPool.Put(s)
 	s.body.Reset(enc)
-	var src io.Reader = &s.body
+	defer s.body.Reset(nil)
+	encoded := int64(len(enc))
+	return decodeFrom(&s.body, &encoded, codings, w, s)
+}
+
+// decodeFrom decodes src, compressed with codings in that order, and
+// writes the decoded bytes to w, while they stay within MaxDecodedBody or
+// MaxDecodeRatio times *encoded, the bytes read from src so far (kept up
+// to date by the caller's src). s holds the decoders, which it releases.
+func decodeFrom(src io.Reader, encoded *int64, codings []coding, w io.Writer, s *decodeSources) decodeOutcome {
 	n := 0
 	defer func() {
 		for i := range n {
 			s.decs[i].release()
 			s.decs[i] = bodyDecoder{}
 		}
-		s.body.Reset(nil)
 	}()
 	for i := len(codings) - 1; i >= 0; i-- {
 		d, err := newBodyDecoder(codings[i], src, &s.prefix[i])
@@ -147,11 +164,11 @@ func decodeBody(enc []byte, codings []coding, w io.Writer) decodeOutcome {
 	}
 	buf := decodeBufPool.Get().(*[16 << 10]byte)
 	defer decodeBufPool.Put(buf)
-	total, empty := 0, 0
+	total, empty := int64(0), 0
 	for {
 		m, err := src.Read(buf[:])
 		if m > 0 {
-			if total += m; total > MaxDecodedBody {
+			if total += int64(m); total > MaxDecodedBody && total > MaxDecodeRatio*(*encoded) {
 				return decodeTooLarge
 			}
 			w.Write(buf[:m])
@@ -163,6 +180,60 @@ func decodeBody(enc []byte, codings []coding, w io.Writer) decodeOutcome {
 			return decodeOutcomeOf(err)
 		}
 	}
+}
+
+// streamDecoder decodes a compressed body as it is written, in a goroutine
+// of its own, into a usageBody: a Write hands its bytes over through a
+// pipe (it returns once the decoder has them), and finish ends the body
+// and waits for the decoder. The usageBody is the decoder's until finish
+// returns.
+type streamDecoder struct {
+	pw   *io.PipeWriter
+	done chan decodeOutcome
+}
+
+// countingReader counts the bytes read through it.
+type countingReader struct {
+	r io.Reader
+	n int64
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n += int64(n)
+	return n, err
+}
+
+// startStream starts decoding a body compressed with codings into w,
+// first the bytes kept of it so far.
+func startStream(codings []coding, kept []byte, w io.Writer) *streamDecoder {
+	pr, pw := io.Pipe()
+	d := &streamDecoder{pw: pw, done: make(chan decodeOutcome, 1)}
+	codings = slices.Clone(codings)
+	go func() {
+		s := decodeSourcesPool.Get().(*decodeSources)
+		defer decodeSourcesPool.Put(s)
+		src := &countingReader{r: pr}
+		outcome := decodeFrom(src, &src.n, codings, w, s)
+		// A decoder that stopped before the end (corrupt data, too large)
+		// fails the writes still to come at once.
+		pr.CloseWithError(errDecoderStopped)
+		d.done <- outcome
+	}()
+	d.write(kept)
+	return d
+}
+
+var errDecoderStopped = errors.New("llm: the decoder stopped")
+
+// write hands p to the decoder; after the decoder stopped, it does nothing.
+func (d *streamDecoder) write(p []byte) { _, _ = d.pw.Write(p) }
+
+// finish ends the body where it is (a cut stream decodes as far as its
+// whole blocks go) and returns what became of the decoding.
+func (d *streamDecoder) finish() decodeOutcome {
+	_ = d.pw.Close()
+	return <-d.done
 }
 
 // decodeOutcomeOf classes a decoder's error: the end, or a body that ends

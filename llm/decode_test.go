@@ -2,12 +2,15 @@ package llm
 
 import (
 	"bytes"
+	"encoding/base64"
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/andybalholm/brotli"
 	"github.com/klauspost/compress/flate"
@@ -39,7 +42,8 @@ func newEncoder(t testing.TB, coding string, w io.Writer) flushWriter {
 	case "br":
 		return brotli.NewWriter(w)
 	case "zstd":
-		zw, err := zstd.NewWriter(w)
+		// One goroutine: compress reads the buffer between writes.
+		zw, err := zstd.NewWriter(w, zstd.WithEncoderConcurrency(1))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -211,9 +215,10 @@ func TestDecodeCodingLists(t *testing.T) {
 	}
 }
 
-// TestDecodeLimits: corrupt data, a body over MaxEncodedBody and a body
-// that decodes to more than MaxDecodedBody are Unreadable; usage read
-// before corrupt data stands.
+// TestDecodeLimits: corrupt data and a body that decodes to more than
+// MaxDecodedBody at more than MaxDecodeRatio are Unreadable; usage read
+// before corrupt data stands; a body over MaxEncodedBody is decoded as it
+// is written, its usage read wherever it is, and no more of it kept.
 func TestDecodeLimits(t *testing.T) {
 	usage := `{"usage":{"prompt_tokens":5},"pad":"`
 	t.Run("corrupt", func(t *testing.T) {
@@ -238,22 +243,79 @@ func TestDecodeLimits(t *testing.T) {
 		}
 	})
 	t.Run("encoded_over", func(t *testing.T) {
+		// Base64 of random bytes: JSON string text that compresses to
+		// about 3/4 of its size.
 		rnd := rand.New(rand.NewPCG(1, 2))
-		noise := make([]byte, MaxEncodedBody/2+1)
+		var noise [3]string // three, none like the others: brotli's window is long
+		for k := range noise {
+			raw := make([]byte, MaxEncodedBody/2)
+			for i := range raw {
+				raw[i] = byte(rnd.Uint32())
+			}
+			noise[k] = base64.StdEncoding.EncodeToString(raw)
+		}
+		for _, coding := range codings {
+			for name, body := range map[string][]string{
+				"usage_first": {usage, noise[0], noise[1], noise[2], `"}`},
+				"usage_last":  {`{"pad":"`, noise[0], noise[1], noise[2], `","usage":{"prompt_tokens":5}}`},
+			} {
+				enc, _ := compress(t, coding, false, body...)
+				if len(enc) <= MaxEncodedBody {
+					t.Fatalf("%s %s: %d encoded bytes, want over MaxEncodedBody", coding, name, len(enc))
+				}
+				r := NewUsageReader("application/json", headerCoding(coding))
+				for i := 0; i < len(enc); i += 32 << 10 {
+					r.Write(enc[i:min(i+32<<10, len(enc))])
+					if cap(r.enc) > MaxEncodedBody {
+						t.Fatalf("%s %s: kept %d bytes", coding, name, cap(r.enc))
+					}
+				}
+				if u, st := r.Result(); st != Found || u.InputTokens != 5 {
+					t.Errorf("%s %s, %d encoded bytes: %+v, %v; want the 5 input tokens found", coding, name, len(enc), u, st)
+				}
+				if u, st := r.Result(); st != Found || u.InputTokens != 5 {
+					t.Errorf("%s %s: a second Result gave %+v, %v", coding, name, u, st)
+				}
+				r.Release()
+			}
+		}
+	})
+	t.Run("encoded_over_corrupt", func(t *testing.T) {
+		r := NewUsageReader("application/json", "gzip")
+		defer r.Release()
+		junk := bytes.Repeat([]byte("not gzip at all "), MaxEncodedBody/8)
+		r.Write(junk)
+		r.Write(junk) // past MaxEncodedBody: to a decoder that stopped
+		r.Write(junk)
+		if _, st := r.Result(); st != Unreadable {
+			t.Fatalf("%v, want Unreadable", st)
+		}
+	})
+	t.Run("encoded_over_released_unread", func(t *testing.T) {
+		// A reader released without Result (a handler that panicked) ends
+		// its decoder.
+		enc, _ := compress(t, "gzip", false, usage, strings.Repeat("x", 1<<20), `"}`)
+		rnd := rand.New(rand.NewPCG(3, 4))
+		noise := make([]byte, 2*MaxEncodedBody)
 		for i := range noise {
 			noise[i] = byte(rnd.Uint32())
 		}
-		enc, _ := compress(t, "gzip", false, usage, string(noise), string(noise), `"}`)
+		before := runtime.NumGoroutine()
 		r := NewUsageReader("application/json", "gzip")
-		defer r.Release()
-		for i := 0; i < len(enc); i += 32 << 10 {
-			r.Write(enc[i:min(i+32<<10, len(enc))])
+		r.Write(enc[:len(enc)/2])
+		r.Write(noise)
+		if r.stream == nil {
+			t.Fatal("no decoder runs")
 		}
-		if _, st := r.Result(); st != Unreadable {
-			t.Fatalf("%d encoded bytes: %v", len(enc), st)
-		}
-		if cap(r.enc) > MaxEncodedBody {
-			t.Fatalf("kept %d bytes", cap(r.enc))
+		r.Release()
+		// Release waited for the decoder's result, its goroutine's last
+		// act before it returns.
+		deadline := time.Now().Add(10 * time.Second)
+		for runtime.NumGoroutine() > before {
+			if time.Now().After(deadline) {
+				t.Fatalf("%d goroutines after Release, %d before", runtime.NumGoroutine(), before)
+			}
+			runtime.Gosched()
 		}
 	})
 	t.Run("bomb", func(t *testing.T) {

@@ -98,8 +98,8 @@ const (
 	// estimate should stand, and the response be counted or logged.
 	Invalid
 	// Unreadable: the body could not be read: an unknown or unsupported
-	// content coding, an encoded body over MaxEncodedBody, a decoded body
-	// over MaxDecodedBody, or corrupt compressed data before any usage.
+	// content coding, a decoded body over MaxDecodedBody and
+	// MaxDecodeRatio, or corrupt compressed data before any usage.
 	Unreadable
 )
 
@@ -147,7 +147,7 @@ func (s Status) String() string {
 //
 // A UsageReader uses bounded memory: it keeps at most one usage object
 // (MaxUsageObject) of an identity body, and the encoded bytes of a
-// compressed one (up to MaxEncodedBody, see NewUsageReader).
+// compressed one up to MaxEncodedBody (see NewUsageReader).
 //
 // A UsageReader is not safe for concurrent use: Write and Result must not
 // run at the same time (a handler calls both from its own goroutine).
@@ -156,8 +156,8 @@ type UsageReader struct {
 	ncodings int
 	unknown  bool // a coding that is not read: Unreadable
 
-	enc     []byte // the encoded body, when ncodings > 0
-	encOver bool   // the encoded body went over MaxEncodedBody
+	enc    []byte         // the encoded body, when ncodings > 0, up to MaxEncodedBody
+	stream *streamDecoder // past MaxEncodedBody: the body decoded as written
 
 	// The result of decoding the first decodedLen bytes of enc.
 	decoded    bool
@@ -182,8 +182,9 @@ var readerPool = sync.Pool{New: func() any { return new(UsageReader) }}
 // RFC 9110 says, and raw deflate as browsers accept too), br and zstd; at
 // most one of them (see maxCodings). Any other coding, or stacked
 // codings, makes the reader report Unreadable.
-// Only an identity body is read as it is written; a compressed body is
-// kept, up to MaxEncodedBody bytes, and decoded when Result is called.
+// An identity body is read as it is written; a compressed body is kept,
+// up to MaxEncodedBody bytes, and decoded when Result is called, and a
+// longer one is decoded as it is written, in a goroutine of its own.
 //
 // The reader comes from a pool: call Release once done with it (after
 // the last Result), or let the garbage collector have it.
@@ -198,7 +199,7 @@ func NewUsageReader(contentType, contentEncoding string) *UsageReader {
 func (r *UsageReader) Reset(contentType, contentEncoding string) {
 	r.ncodings, r.unknown = parseCodings(contentEncoding, &r.codings)
 	r.enc = r.enc[:0]
-	r.encOver = false
+	r.stream = nil
 	r.decoded = false
 	r.body.reset(IsEventStream(contentType))
 }
@@ -206,6 +207,10 @@ func (r *UsageReader) Reset(contentType, contentEncoding string) {
 // Release returns r to the pool NewUsageReader takes readers from. r must
 // not be used after.
 func (r *UsageReader) Release() {
+	if r.stream != nil && !r.decoded {
+		r.stream.finish() // the decoder writes to r.body until it ends
+	}
+	r.stream = nil
 	if cap(r.enc) > 64<<10 {
 		r.enc = nil // don't keep a large buffer in the pool
 	}
@@ -217,12 +222,16 @@ func (r *UsageReader) Release() {
 // always consumes all of p and never returns an error.
 func (r *UsageReader) Write(p []byte) (int, error) {
 	switch {
-	case r.unknown || r.encOver:
+	case r.unknown:
 	case r.ncodings == 0:
 		r.body.Write(p)
+	case r.stream != nil:
+		r.stream.write(p)
 	case len(r.enc)+len(p) > MaxEncodedBody:
-		r.encOver = true
-		r.enc = nil // nothing more is kept
+		r.body.reset(r.body.sse)
+		r.stream = startStream(r.codings[:r.ncodings], r.enc, &r.body)
+		r.stream.write(p)
+		r.enc = r.enc[:0] // the decoder has copied them
 	default:
 		if need := len(r.enc) + len(p); need > cap(r.enc) {
 			// Grow by doubling, from 4 KiB, but never past the bound.
@@ -245,21 +254,28 @@ func (r *UsageReader) Write(p []byte) (int, error) {
 //
 // For a compressed body, Result decodes the bytes written so far (a cut
 // stream decodes as far as it goes) and caches the result until the next
-// Write: calling it twice decodes once. Corrupt compressed data is
-// Unreadable unless a usage report was read before it.
+// Write: calling it twice decodes once. For one past MaxEncodedBody, which
+// is decoded as it is written, Result ends the body: later writes are not
+// read. Corrupt compressed data is Unreadable unless a usage report was
+// read before it.
 //
 // The Usage is zero unless the Status is Found.
 func (r *UsageReader) Result() (Usage, Status) {
 	switch {
-	case r.unknown || r.encOver:
+	case r.unknown:
 		return Usage{}, Unreadable
 	case r.ncodings == 0:
 		return r.body.result()
-	case r.decoded && r.decodedLen == len(r.enc):
+	case r.decoded && (r.stream != nil || r.decodedLen == len(r.enc)):
 		return r.usage, r.status
 	}
-	r.body.reset(r.body.sse)
-	outcome := decodeBody(r.enc, r.codings[:r.ncodings], &r.body)
+	var outcome decodeOutcome
+	if r.stream != nil {
+		outcome = r.stream.finish()
+	} else {
+		r.body.reset(r.body.sse)
+		outcome = decodeBody(r.enc, r.codings[:r.ncodings], &r.body)
+	}
 	u, s := r.body.result()
 	switch {
 	case outcome == decodeTooLarge:
