@@ -366,7 +366,8 @@ func chatStream(n int) []string {
 // BenchmarkUsageReader: what reading the usage costs a response, from
 // NewUsageReader to Release: a chat completion of 2 KB and 100 KB in each
 // coding, written in 16 KiB writes, and a 200-chunk stream written an
-// event at a time, plain and gzip-compressed with a flush per event.
+// event at a time, plain and gzip-compressed with a flush per event, and
+// a gzip stream past MaxEncodedBody.
 func BenchmarkUsageReader(b *testing.B) {
 	type bodyCase struct {
 		name, contentType, coding string
@@ -405,6 +406,31 @@ func BenchmarkUsageReader(b *testing.B) {
 		}
 		cases = append(cases, bodyCase{"sse_200/" + coding, sse, coding, writes})
 	}
+	// A stream whose gzip passes MaxEncodedBody, decoded as it is written:
+	// 5000 chunks of 300 random characters each, as top_logprobs makes them.
+	rnd := rand.New(rand.NewPCG(5, 6))
+	raw := make([]byte, 225)
+	ev := events(openAIChatStream(true))
+	long := []string{ev[0]}
+	for range 5000 {
+		for i := range raw {
+			raw[i] = byte(rnd.Uint32())
+		}
+		long = append(long, strings.Replace(ev[1], "Hello", base64.RawURLEncoding.EncodeToString(raw), 1))
+	}
+	long = append(long, ev[3:]...)
+	enc, ends := compress(b, "gzip", true, long...)
+	if len(enc) <= MaxEncodedBody {
+		b.Fatalf("the long stream is %d bytes compressed", len(enc))
+	}
+	var writes [][]byte
+	prev := 0
+	for _, end := range ends {
+		writes = append(writes, enc[prev:end])
+		prev = end
+	}
+	writes[len(writes)-1] = enc[ends[len(ends)-2]:]
+	cases = append(cases, bodyCase{"sse_5000_over_1MiB/gzip", sse, "gzip", writes})
 	for _, bc := range cases {
 		size := 0
 		for _, w := range bc.writes {
