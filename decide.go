@@ -121,8 +121,22 @@ func (h *Handler) decideRedis(x *exchange) verdict {
 	}
 	start := x.clock(h) // the one clock read of the request, which its quota windows used
 	req.decidedAt = start.UnixMicro()
-	offered := h.reserve(req)
+	held := h.reserve(req)
 	d, err := h.conn.take(x.r.Context(), req.keys, req.takes)
+	if held && (err != nil || d.WaitMS == 0) {
+		h.unwait() // not held after all
+	}
+	if err == nil && !held && h.reservable(req, &d) && h.reserve(req) {
+		// Every place was taken when the request came (by requests held,
+		// or being decided, most of which are never held); one has freed
+		// since, and a hold would serve this denial: decide it again,
+		// offered. A denial wrote nothing, so nothing is charged twice.
+		held = true
+		d, err = h.conn.take(x.r.Context(), req.keys, req.takes)
+		if err != nil || d.WaitMS == 0 {
+			h.unwait()
+		}
+	}
 	if err != nil && !errors.As(err, new(*bucket.RefundError)) {
 		return h.decideDegraded(x, err, req)
 	}
@@ -132,10 +146,7 @@ func (h *Handler) decideRedis(x *exchange) verdict {
 		h.logger.Warn("refunding a denied request on the other slots failed; their buckets stay charged",
 			zap.Strings("keys", req.keys), zap.Error(err))
 	}
-	if offered && d.WaitMS > 0 {
-		d, offered = h.hold(x, req, d)
-	}
-	if offered && d.Reason == bucket.RateLimited { // see retryAfterWait
+	if held && d.Reason == bucket.RateLimited { // offered a reservation: see retryAfterWait
 		d = h.retryAfterWait(req, d)
 	}
 	if h.denials != nil && d.Reason == bucket.RateLimited {
@@ -143,7 +154,7 @@ func (h *Handler) decideRedis(x *exchange) verdict {
 			// A slot frees at no known time; a shadow denial denies nothing.
 			if l := req.limits[i]; b.Reason == bucket.RateLimited && !b.Shadow && !l.concurrent {
 				wait := b.RetryAfterMS
-				if !offered && h.maxWaitMS > 0 && l.period == 0 {
+				if !held && h.maxWaitMS > 0 && l.period == 0 {
 					// Refused a place among max_waiting, this request is told
 					// its full wait; a later one may find a place and be held
 					// (see retryAfterWait).
@@ -249,23 +260,23 @@ func (h *Handler) decideDemote(x *exchange, store bucket.Redis, id string) verdi
 	var d bucket.Decision
 	req.decidedAt = h.now().UnixMicro()
 	preq.decidedAt = req.decidedAt
-	offered := h.reserve(req, preq)
+	held := h.reserve(req, preq)
 	err = h.conn.call(x.r.Context(), func(ctx context.Context) error {
 		var err error
 		d, state, _, err = store.TakeDemote(ctx, base+":demoted", base+":denials", h.demote.rule,
 			req.keys, req.takes, preq.keys, preq.takes)
 		return err
 	})
+	if held && (err != nil || d.WaitMS == 0) {
+		h.unwait() // not held after all
+	}
 	if err != nil {
 		return h.decideDegraded(x, err, req, preq)
 	}
 	if state == bucket.Demoted {
 		t, req = h.demote.penalty, preq
 	}
-	if offered && d.WaitMS > 0 {
-		d, offered = h.hold(x, req, d)
-	}
-	if offered && d.Reason == bucket.RateLimited { // see retryAfterWait
+	if held && d.Reason == bucket.RateLimited { // offered a reservation: see retryAfterWait
 		d = h.retryAfterWait(req, d)
 	}
 	v := decidedVerdict(t, req, d, false)

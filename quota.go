@@ -28,16 +28,23 @@ func (h *Handler) quotaWindows(p bucket.Period, now time.Time) *bucket.Windows {
 }
 
 // reserve prepares req for on_limit wait: when this gateway holds fewer
-// than max_waiting requests, it lets req's enforced token buckets make
-// reservations of up to max_wait, and reports that it did. It takes no
-// place: a request takes one only once its decision holds it (see hold),
-// so requests being decided, most of which are never held, do not fill
-// max_waiting (which bounds the requests held, and caddy_token_bucket_
-// waiting counts them).
+// than max_waiting requests, it takes a place among them and lets req's
+// enforced token buckets make reservations of up to max_wait. It reports
+// whether it took a place; the caller gives it back unless the decision
+// holds the request (Decision.WaitMS > 0), and then after the wait. A
+// place is taken before the decision, so that no more reservations are
+// made than max_waiting requests can hold: a request being decided holds
+// one, though most are never held (see decideRedis, which decides again a
+// request that found every place taken and that a hold would serve).
 func (h *Handler) reserve(reqs ...*request) bool {
-	if h.maxWaitMS == 0 || h.waiting.Load() >= int64(h.MaxWaiting) {
+	if h.maxWaitMS == 0 {
 		return false
 	}
+	if h.waiting.Add(1) > int64(h.MaxWaiting) {
+		h.waiting.Add(-1)
+		return false
+	}
+	tbMetrics.waiting.Inc()
 	for _, req := range reqs {
 		for i, l := range req.limits {
 			if !l.shadow && !l.concurrent && l.period == 0 {
@@ -48,31 +55,23 @@ func (h *Handler) reserve(reqs ...*request) bool {
 	return true
 }
 
-// hold takes a place among the requests held by on_limit wait for d, a
-// decision of req that holds it (d.WaitMS > 0), and reports whether it
-// did; the place is given back after the wait (see await and unwait).
-// When the places filled while Redis decided, what d charged is given
-// back and d becomes the denial on_limit reject would have made: each
-// reservation a denial with its whole wait, each charged bucket's
-// remaining tokens (free slots) as they stood before the charge.
-func (h *Handler) hold(x *exchange, req *request, d bucket.Decision) (bucket.Decision, bool) {
-	if h.waiting.Add(1) <= int64(h.MaxWaiting) {
-		tbMetrics.waiting.Inc()
-		return d, true
+// reservable reports whether a reservation would have served denial d of
+// req: on_limit wait is on, and every bucket that denies it is an
+// enforced token bucket (not a concurrency limit or a quota, which are
+// never held) whose wait is within max_wait.
+func (h *Handler) reservable(req *request, d *bucket.Decision) bool {
+	if h.maxWaitMS == 0 || d.Reason != bucket.RateLimited {
+		return false
 	}
-	h.waiting.Add(-1)
-	h.giveBack(x, req, &d)
-	for i := range d.Buckets {
-		r := &d.Buckets[i]
-		if r.Reason != bucket.Allowed || req.takes[i].Cost == 0 {
+	for i, b := range d.Buckets {
+		if b.Reason == bucket.Allowed || b.Shadow {
 			continue
 		}
-		r.Remaining += req.takes[i].Cost
-		if r.RetryAfterMS > 0 {
-			r.Reason = bucket.RateLimited
+		if l := req.limits[i]; b.Reason != bucket.RateLimited || l.concurrent || l.period != 0 || b.RetryAfterMS > h.maxWaitMS {
+			return false
 		}
 	}
-	return bucket.Summarize(d.Buckets), false
+	return true
 }
 
 // retryAfterWait returns the denial of a request that was offered a
