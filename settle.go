@@ -5,6 +5,8 @@ import (
 	"errors"
 	"net/http"
 	"strings"
+	"sync/atomic"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -219,7 +221,58 @@ func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, v *verdict, rec 
 	}
 	id, _ := repl.GetString("http.request.uuid")
 	// The client may be gone: the settlement is the gateway's own call.
-	if err := h.conn.settle(context.WithoutCancel(r.Context()), id, keys, adj); err != nil {
+	err := h.conn.settle(context.WithoutCancel(r.Context()), id, keys, adj)
+	if err != nil && h.retrySettle(id, keys, adj, used, err) {
+		return
+	}
+	h.settled(keys, adj, used, err)
+}
+
+// settleRetryWaits are the waits before each retry of a settlement whose
+// call failed (Redis unreachable or restarting, the breaker open, a reply
+// lost): about 36 s in all, the failovers of Sentinel and Cluster
+// included. A retry of a call that ran in Redis changes nothing (settle.lua
+// keeps a marker per request), so a settlement lands exactly once.
+var settleRetryWaits = [...]time.Duration{time.Second, 5 * time.Second, 30 * time.Second}
+
+// maxSettleRetries bounds the settlements this process retries at once:
+// through a long outage each waits with its keys and adjustments. Past it,
+// a settlement that fails keeps the estimate at once.
+const maxSettleRetries = 10_000
+
+var settleRetrying atomic.Int64
+
+// retrySettle retries in the background, after settleRetryWaits, a
+// settlement whose first call failed with err, and reports whether it
+// does. It holds the Redis client meanwhile (a reload closes it after its
+// last hold).
+func (h *Handler) retrySettle(id string, keys []string, adj []bucket.Adjust, used int64, err error) bool {
+	if settleRetrying.Add(1) > maxSettleRetries || !h.conn.hold() {
+		settleRetrying.Add(-1)
+		return false
+	}
+	h.logger.Warn("settling llm token usage failed; retrying", zap.Int64("used", used), zap.Error(err))
+	go func() {
+		defer settleRetrying.Add(-1)
+		defer h.conn.release()
+		var err error
+		for _, wait := range settleRetryWaits {
+			t := time.NewTimer(wait)
+			<-t.C
+			if err = h.conn.settle(context.Background(), id, keys, adj); err == nil {
+				break
+			}
+		}
+		h.settled(keys, adj, used, err)
+	}()
+	return true
+}
+
+// settled records the end of a settlement: failed with err (the estimate
+// stands), or done, after which a cached denial of a bucket given tokens
+// back no longer holds.
+func (h *Handler) settled(keys []string, adj []bucket.Adjust, used int64, err error) {
+	if err != nil {
 		countSettlement(settleFailedOutcome)
 		h.logger.Warn("settling llm token usage failed; the estimate stands",
 			zap.Int64("used", used), zap.Error(err))

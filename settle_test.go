@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"compress/gzip"
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/token-bucket/token_bucket/bucket"
+	"github.com/token-bucket/token_bucket/internal/providertest"
 	"github.com/token-bucket/token_bucket/internal/redistest"
 	"github.com/token-bucket/token_bucket/llm"
 )
@@ -223,5 +225,73 @@ func TestUsageRecorderPartialAnthropic(t *testing.T) {
 	used, status, partial := rec.finish(&Settle{})
 	if used != 31 || status != llm.Found || !partial {
 		t.Errorf("cut after message_start: %d %v partial %v, want 31 found partial", used, status, partial)
+	}
+}
+
+// TestSettlementRetriedAfterRedisFails: a stream's settlement whose call
+// fails (here the circuit breaker is open: another request's call lost its
+// reply, and breaker_failures is 1) is tried again until Redis answers,
+// and lands once: the bucket holds the capacity less the usage reported,
+// not less the estimate.
+func TestSettlementRetriedAfterRedisFails(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	proxy := redistest.StartProxy(t)
+	proxy.SetTarget(srv.Addr)
+	up := startLLMUpstream(t)
+	up.SetReply(nil)
+	used := providertest.Usage{Input: 12, Output: 900}
+	up.SetUsage(used)
+	g := startGateway(t, llmSite(up.Addr, `token_bucket {
+			redis redis://`+proxy.Addr+` {
+				timeout 10s
+				breaker_failures 1
+				breaker_cooldown 3s
+			}
+			dimension user {http.request.header.X-User}
+			tier free {
+				user 100000 1/1h tokens
+			}
+			cost estimate
+			settle
+			on_redis_error allow
+		}`))
+	key := bucket.NewKeyer("rl:", "").Key("user", "streamer", "tokens")
+	markers := func() int { return len(rdb.Keys(context.Background(), key+":settled:*").Val()) }
+
+	up.Hold()
+	done := make(chan e2eResponse, 1)
+	go func() {
+		done <- g.send(http.MethodPost, "v1/chat/completions",
+			strings.NewReader(`{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hello"}]}`),
+			"X-User", "streamer", "Content-Type", "application/json")
+	}()
+	redistest.WaitFor(t, time.Minute, "the stream to reach the upstream", func() error {
+		if len(up.Requests()) == 0 {
+			return errors.New("not yet")
+		}
+		return nil
+	})
+	// Another request's call loses its reply: the breaker opens.
+	proxy.LoseReplyTo("evalsha")
+	if r := g.send(http.MethodPost, "v1/chat/completions", strings.NewReader(`{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}`),
+		"X-User", "other", "Content-Type", "application/json"); r.status != http.StatusOK || proxy.Lost() != 1 {
+		t.Fatalf("the other request: %d, %d replies lost; want 200 by on_redis_error allow, 1 lost", r.status, proxy.Lost())
+	}
+	up.Release()
+	if r := <-done; r.status != http.StatusOK {
+		t.Fatalf("the stream: %d", r.status)
+	}
+	if n := markers(); n != 0 {
+		t.Fatalf("the stream settled at once, with the breaker open: %d markers", n)
+	}
+	redistest.WaitFor(t, time.Minute, "the retried settlement", func() error {
+		if n := markers(); n != 1 {
+			return fmt.Errorf("%d settlement markers, want 1", n)
+		}
+		return nil
+	})
+	if got, want := storedTokens(t, rdb, key), 100000-used.Total(providertest.ChatCompletions); got != want {
+		t.Errorf("the bucket holds %d tokens, want %d: the %d used, settled once", got, want, used.Total(providertest.ChatCompletions))
 	}
 }
