@@ -1417,15 +1417,26 @@ func TestCompletesAndUploads(t *testing.T) {
 	}
 }
 
-// TestProxyFailureSettlement: a reverse_proxy that cannot connect to its
-// upstream sent no byte of the request, so its 502 gives the estimate back;
-// one whose upstream took the request and did not answer in time (a 504
-// after response_header_timeout) may have run the model, and keeps it.
-func TestProxyFailureSettlement(t *testing.T) {
+// TestFailuresThatMayHaveRunKeepTheEstimate: an answer that says the
+// model did not run (a 503) gives the estimate back; a failure that may
+// have come after the model ran keeps it: reverse_proxy's 502 (it cannot
+// tell whether an earlier try of lb_retries reached the model) and 504
+// (an upstream that took the request and did not answer in time), and a
+// 504 that a proxy between the gateway and the model answers itself.
+func TestFailuresThatMayHaveRunKeepTheEstimate(t *testing.T) {
 	stop := make(chan struct{})
 	silent := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
-		<-stop // took the request; never answers
+		switch r.URL.Path {
+		case "/proxy504/v1/chat/completions":
+			http.Error(w, "upstream request timeout", http.StatusGatewayTimeout)
+		case "/503/v1/chat/completions":
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusServiceUnavailable)
+			_, _ = io.WriteString(w, `{"error":{"message":"The engine is currently overloaded, please try again later","type":"server_error","param":null,"code":null}}`)
+		default:
+			<-stop // took the request; never answers
+		}
 	}))
 	t.Cleanup(silent.Close)
 	t.Cleanup(func() { close(stop) })
@@ -1436,6 +1447,7 @@ func TestProxyFailureSettlement(t *testing.T) {
 		header X-Estimated-Cost {http.token_bucket.cost}
 		respond {err.status_code} {err.status_code}
 	}
+	header >X-Estimated-Cost {http.token_bucket.cost}
 	handle /dead/* {
 		`+limiter+`
 		reverse_proxy `+dead+`
@@ -1450,30 +1462,30 @@ func TestProxyFailureSettlement(t *testing.T) {
 	}`)
 	const body = `{"model":"gpt-4o","max_tokens":100,"messages":[{"role":"user","content":"hello"}]}`
 	keyer := bucket.NewKeyer("rl:", "")
-
-	// The settlement runs before the handler returns the proxy's error,
-	// which handle_errors then answers: it is stored when the client has
-	// the 502.
-	r := g.send(http.MethodPost, "dead/v1/chat/completions", strings.NewReader(body), "X-User", "dial", "Content-Type", "application/json")
-	if r.status != http.StatusBadGateway || r.header.Get("X-Estimated-Cost") == "" || r.header.Get("X-Estimated-Cost") == "0" {
-		t.Fatalf("unreachable upstream: %d, estimated cost %q; want 502 with an estimate", r.status, r.header.Get("X-Estimated-Cost"))
-	}
-	key := keyer.Key("user", "dial", "tokens")
-	if v := g.value(key); v != "" {
-		n, _ := decodeTokens(t, v)
-		t.Errorf("after the 502 the bucket holds %d tokens, want none stored (full): the estimate given back", n)
-	}
-	if n := len(g.rdb.Keys(context.Background(), key+":settled:*").Val()); n != 1 {
-		t.Errorf("%d settlement markers, want 1", n)
-	}
-
-	r = g.send(http.MethodPost, "v1/chat/completions", strings.NewReader(body), "X-User", "timeout", "Content-Type", "application/json")
-	est, err := strconv.ParseInt(r.header.Get("X-Estimated-Cost"), 10, 64)
-	if r.status != http.StatusGatewayTimeout || err != nil || est <= 100 {
-		t.Fatalf("silent upstream: %d, estimated cost %q; want 504 with an estimate over the 100-token budget", r.status, r.header.Get("X-Estimated-Cost"))
-	}
-	key = keyer.Key("user", "timeout", "tokens")
-	if got := storedTokens(t, g.rdb, key); got != 100000-est {
-		t.Errorf("after the 504 the bucket holds %d tokens, want %d: the estimate %d kept", got, 100000-est, est)
+	// The settlement runs before the handler returns, and before Caddy or
+	// handle_errors answers: it is stored when the client has the answer.
+	for _, tc := range []struct {
+		path   string
+		status int
+		kept   bool
+	}{
+		{"dead/v1/chat/completions", http.StatusBadGateway, true},
+		{"v1/chat/completions", http.StatusGatewayTimeout, true},
+		{"proxy504/v1/chat/completions", http.StatusGatewayTimeout, true},
+		{"503/v1/chat/completions", http.StatusServiceUnavailable, false},
+	} {
+		user := strings.ReplaceAll(tc.path, "/", "-")
+		r := g.send(http.MethodPost, tc.path, strings.NewReader(body), "X-User", user, "Content-Type", "application/json")
+		est, err := strconv.ParseInt(r.header.Get("X-Estimated-Cost"), 10, 64)
+		if r.status != tc.status || err != nil || est <= 100 {
+			t.Fatalf("%s: %d, estimated cost %q; want %d with an estimate over the 100-token budget", tc.path, r.status, r.header.Get("X-Estimated-Cost"), tc.status)
+		}
+		key := keyer.Key("user", user, "tokens")
+		switch v := g.value(key); {
+		case tc.kept && storedTokens(t, g.rdb, key) != 100000-est:
+			t.Errorf("%s: the bucket holds %d tokens, want %d: the estimate %d kept", tc.path, storedTokens(t, g.rdb, key), 100000-est, est)
+		case !tc.kept && v != "":
+			t.Errorf("%s: the bucket holds %x, want none stored (full): the estimate given back", tc.path, v)
+		}
 	}
 }

@@ -2,7 +2,6 @@ package tokenbucket
 
 import (
 	"context"
-	"errors"
 	"net/http"
 	"strings"
 	"sync/atomic"
@@ -12,7 +11,6 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/token-bucket/token_bucket/bucket"
 	"github.com/token-bucket/token_bucket/llm"
@@ -32,15 +30,16 @@ import (
 // The response passes through to the client unchanged: the usage is read
 // from a copy as it streams (a compressed body is kept, up to
 // llm.MaxEncodedBody, and decoded once at the end; a longer one is decoded
-// as it passes). Usage that reached the
-// gateway is settled however the response ends: a client that goes away or
-// an upstream that aborts after the usage does not keep the estimate in
-// place. A response without usage settles at the estimate (nothing
-// changes), but for a request that reached no model (an error answer, an
-// upstream reverse_proxy could not connect to: see notRun), which settles
-// at 0; usage with a negative, fractional or overflowing number keeps the
-// estimate too, and is logged and counted (settlements_total{outcome=
-// "invalid"}). A request is never given back more than it was charged.
+// as it passes). Usage that reached the gateway is settled however the
+// response ends: a client that goes away or an upstream that aborts after
+// the usage does not keep the estimate in place. A settlement whose Redis
+// call fails is tried again (see settleRetryWaits). A response without
+// usage settles at the estimate (nothing changes), but for a request that
+// reached no model (an error answer that says so: see notRun), which
+// settles at 0; usage with a negative, fractional or overflowing number
+// keeps the estimate too, and is logged and counted (settlements_total{
+// outcome="invalid"}). A request is never given back more than it was
+// charged.
 type Settle struct {
 	// Header names a response header that carries the total tokens used;
 	// when set, the body is not parsed.
@@ -67,7 +66,6 @@ type usageRecorder struct {
 	filterUsage bool // the body was sent with include_usage added
 	wroteHeader bool
 	code        int                   // the final status, from the first WriteHeader
-	unsent      bool                  // next failed to reach the upstream (see notRun)
 	usage       *llm.UsageReader      // from the first WriteHeader
 	filter      *llm.UsageChunkFilter // nil: the client gets every byte
 }
@@ -112,16 +110,21 @@ func (rec *usageRecorder) Write(p []byte) (int, error) {
 }
 
 // notRun reports whether the request reached no model: the upstream
-// answered an error (4xx, 5xx), or reverse_proxy could not connect to any
-// upstream (a DialError: no byte of the request was sent, as Caddy's own
-// retry rule holds). OpenAI and Anthropic bill no request that fails (a
-// 400, a 429, Anthropic's 529 overloaded_error), and the SDKs retry 408,
-// 409, 429 and 5xx twice by default, so an estimate kept for each would
-// charge one failed call three times. A failure after the request was
-// sent (a timeout, a connection broken while waiting for the answer) may
-// have run the model, and is not one.
+// answered an error (4xx, 5xx) that says it did not run it. OpenAI and
+// Anthropic bill no request that fails (a 400, a 429, Anthropic's 529
+// overloaded_error), and the SDKs retry 409, 429 and 5xx twice by default,
+// so an estimate kept for each would charge one failed call three times.
+// A timeout (408, 504, Cloudflare's 522 and 524) or a 502 may come from a
+// proxy between the gateway and the model after the model ran (and was
+// billed), and is not one; nor is a reverse_proxy failure, which answers
+// no status here (it cannot tell whether an earlier try of lb_retries
+// reached the model).
 func (rec *usageRecorder) notRun() bool {
-	return rec.code >= 400 || rec.unsent
+	switch rec.code {
+	case http.StatusRequestTimeout, http.StatusBadGateway, http.StatusGatewayTimeout, 522, 524:
+		return false
+	}
+	return rec.code >= 400
 }
 
 // Unwrap lets http.ResponseController reach Flush and the rest.
@@ -178,9 +181,7 @@ func (h *Handler) serveNext(x *exchange, v *verdict, next caddyhttp.Handler) err
 		// With settle.header the body is not read for usage.
 		rec := &usageRecorder{ResponseWriter: x.w, read: h.Settle.Header == "", filterUsage: x.est.streamUsage}
 		defer h.settle(x.r, x.repl, v, rec)
-		err := next.ServeHTTP(rec, x.r)
-		rec.unsent = !rec.wroteHeader && errors.As(err, new(reverseproxy.DialError))
-		return err
+		return next.ServeHTTP(rec, x.r)
 	case x.est.streamUsage:
 		rec := &usageRecorder{ResponseWriter: x.w, filterUsage: true}
 		defer rec.finish(&Settle{}) // writes what the filter holds
