@@ -217,10 +217,13 @@ func completes(path string) bool {
 // limits", with limits of their own apart from message creation), and
 // their answers report a count, not usage, so charging the prompt would
 // bill a client that counts before it sends twice for one prompt, and
-// never give it back. A trailing slash is ignored.
+// never give it back. The path must end in the whole endpoint, so that
+// one a prefix-routing upstream would serve as a completion
+// (/v1/chat/completions/count_tokens) is not free. A trailing slash is
+// ignored.
 func countsTokens(path string) bool {
 	path = strings.TrimRight(path, "/")
-	return strings.HasSuffix(path, "/count_tokens") || strings.HasSuffix(path, "/input_tokens")
+	return strings.HasSuffix(path, "/messages/count_tokens") || strings.HasSuffix(path, "/responses/input_tokens")
 }
 
 // uploads reports whether a request to path is one whose body is a form
