@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -258,12 +259,13 @@ func (h *Handler) decideDemote(x *exchange, store bucket.Redis, id string) verdi
 	base := h.keyer.Key(h.demote.name, id, "")
 	var state bucket.Demotion
 	var d bucket.Decision
+	var left time.Duration // what is left of the demotion
 	req.decidedAt = h.now().UnixMicro()
 	preq.decidedAt = req.decidedAt
 	held := h.reserve(req, preq)
 	err = h.conn.call(x.r.Context(), func(ctx context.Context) error {
 		var err error
-		d, state, _, err = store.TakeDemote(ctx, base+":demoted", base+":denials", h.demote.rule,
+		d, state, left, err = store.TakeDemote(ctx, base+":demoted", base+":denials", h.demote.rule,
 			req.keys, req.takes, preq.keys, preq.takes)
 		return err
 	})
@@ -276,7 +278,10 @@ func (h *Handler) decideDemote(x *exchange, store bucket.Redis, id string) verdi
 	if state == bucket.Demoted {
 		t, req = h.demote.penalty, preq
 	}
-	if held && d.Reason == bucket.RateLimited { // offered a reservation: see retryAfterWait
+	// Offered a reservation: see retryAfterWait. Not when the wait runs to
+	// the demotion's end or past it (see bucket.TakeDemote): a retry before
+	// then would be decided on the penalty tier, which cannot hold it.
+	if held && d.Reason == bucket.RateLimited && (state == bucket.NotDemoted || d.RetryAfterMS < left.Milliseconds()) {
 		d = h.retryAfterWait(req, d)
 	}
 	v := decidedVerdict(t, req, d, false)

@@ -3,6 +3,7 @@ package tokenbucket
 import (
 	"context"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -69,5 +70,60 @@ func TestDemotionEndToEnd(t *testing.T) {
 	bob := bucket.NewKeyer("rl:", "").Key("user", "bob", "")
 	if n := g.rdb.Exists(context.Background(), bob+":denials", bob+":demoted").Val(); n != 0 {
 		t.Fatalf("an allowed identity has %d demotion keys", n)
+	}
+}
+
+// TestDemotionWaitWithOnLimitWait: with on_limit wait, a denial's
+// Retry-After is shortened by max_wait, since a retry that soon is held
+// and served; but not when the wait runs to the demotion's end, when the
+// own tier serves the retry: one sooner would be decided on the penalty
+// tier, which cannot hold it, and be told to come back within a
+// millisecond, over and over. Default "user 2 1/5s", penalty "user 2 1/m",
+// demoted for 5s after 2 denials, max_wait 1s: the denial that demotes,
+// and the demoted request after it, are both told to wait for the
+// demotion's end (the penalty tier would take a minute), not a second
+// less.
+func TestDemotionWaitWithOnLimitWait(t *testing.T) {
+	g := startGateway(t, `
+	token_bucket {
+		redis redis://REDIS_ADDR {
+			timeout 30s
+		}
+		dimension user {http.request.header.X-User}
+		tier default {
+			user 2 1/5s
+		}
+		tier penalty {
+			user 2 1/m
+		}
+		demote user after 2 denials within 10s to tier penalty for 5s
+		on_limit wait 1s
+	}
+	respond "{http.token_bucket.tier}"`)
+	for i := range 2 {
+		if r := g.get("X-User", "agent"); r.status != http.StatusOK {
+			t.Fatalf("request %d: %d", i, r.status)
+		}
+	}
+	retryMS := func(what string, r e2eResponse) int64 {
+		t.Helper()
+		ms, err := strconv.ParseInt(r.header.Get("Retry-After-Ms"), 10, 64)
+		if r.status != http.StatusTooManyRequests || err != nil {
+			t.Fatalf("%s: %d, Retry-After-Ms %q; want 429", what, r.status, r.header.Get("Retry-After-Ms"))
+		}
+		return ms
+	}
+	// A wait of 5 s, past max_wait: denied, told 4 s (a retry then is held
+	// its last second).
+	if ms := retryMS("the first denial", g.get("X-User", "agent")); ms > 4000 || ms < 3900 {
+		t.Errorf("the first denial: Retry-After-Ms %d, want its 5 s wait less max_wait", ms)
+	}
+	r := g.get("X-User", "agent")
+	if ms := retryMS("the denial that demotes", r); !strings.Contains(r.body, `"demoted":true`) || ms <= 4500 || ms > 5000 {
+		t.Errorf("the denial that demotes: Retry-After-Ms %d, body %q; want the demotion's 5000 ms, not a second less", ms, r.body)
+	}
+	r = g.get("X-User", "agent")
+	if ms := retryMS("the demoted request", r); ms <= 4500 || ms > 5000 || !strings.Contains(r.body, `"tier":"penalty"`) {
+		t.Errorf("the demoted request: Retry-After-Ms %d, body %q; want what is left of the demotion, on tier penalty", ms, r.body)
 	}
 }
