@@ -113,6 +113,9 @@ type tokenEstimate struct {
 	// (a stored response's, read back) is not its own, so it is not
 	// settled.
 	noInference bool
+	// read: the whole body was read (and is given to the next handler from
+	// memory).
+	read bool
 }
 
 // cost is the charge of the estimate against tokens limits whose smallest
@@ -153,6 +156,7 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		// requests give no Content-Length; an empty chunked body).
 		return tokenEstimate{noInference: true}, nil
 	}
+	read := err == nil
 	var req llm.Request
 	if err == nil {
 		req, err = llm.ParseRequest(body, e.tok)
@@ -161,18 +165,18 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		if uploads(r.URL.Path) && formBody(r, body) {
 			// An audio transcription, a file upload: no text or model the
 			// estimate reads. 0 tokens; usage its answer reports settles it.
-			return tokenEstimate{}, nil
+			return tokenEstimate{read: read}, nil
 		}
 		return e.invalid()
 	}
 	if countsTokens(r.URL.Path) {
-		return tokenEstimate{model: req.Model, noInference: true}, nil
+		return tokenEstimate{model: req.Model, noInference: true, read: true}, nil
 	}
 	defaultMax := e.DefaultMaxTokens
 	if !completes(r.URL.Path) {
 		defaultMax = 0
 	}
-	est := tokenEstimate{prompt: req.PromptTokens, completion: req.Budget(defaultMax), model: req.Model}
+	est := tokenEstimate{prompt: req.PromptTokens, completion: req.Budget(defaultMax), model: req.Model, read: true}
 	if streamUsage && req.NeedsStreamUsage() && includesUsage(r.URL.Path) {
 		if out, changed, err := llm.WithStreamUsage(body, req); err == nil && changed {
 			setBody(r, out)

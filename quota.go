@@ -1,10 +1,11 @@
 package tokenbucket
 
 import (
-	"bytes"
 	"context"
+	"errors"
 	"io"
 	"net/http"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -99,7 +100,9 @@ func (h *Handler) await(x *exchange, v *verdict) bool {
 	defer h.unwait()
 	t := time.NewTimer(time.Duration(v.d.WaitMS) * time.Millisecond)
 	defer t.Stop()
-	readHeldBody(x.r)
+	if !x.est.read {
+		readAhead(x.r)
+	}
 	select {
 	case <-t.C:
 		return true
@@ -109,38 +112,85 @@ func (h *Handler) await(x *exchange, v *verdict) bool {
 	return false
 }
 
-// maxHeldBody is the most of a held request's body that readHeldBody
-// reads into memory: 1 MiB, the estimate's default max_body.
+// maxHeldBody is the most of a held request's body that readAhead reads
+// into memory: 1 MiB, the estimate's default max_body.
 const maxHeldBody = DefaultEstimateMaxBody
 
-// readHeldBody reads what is left of an HTTP/1.x request's body, up to
-// maxHeldBody bytes, and makes r read it from memory, so that a client
-// that leaves while its request is held is noticed: net/http watches an
-// HTTP/1.x connection for its close only once the request's body has been
-// read to its end, and a requests limit never reads it (HTTP/2 and HTTP/3
-// see a stream reset at any time). A longer body is left to its reader, as
-// is one that fails (a client gone mid-body, request_body's max_size): its
-// bytes are given again, then the error.
-func readHeldBody(r *http.Request) {
+// heldBody is a held HTTP/1.x request's body, read ahead by a goroutine of
+// its own while the request waits, so that a client that leaves is
+// noticed: net/http watches an HTTP/1.x connection for its close only once
+// the request's body has been read to its end (or a read of it failed,
+// which a client that leaves mid-body makes), and a requests limit never
+// reads it (HTTP/2 and HTTP/3 see a stream's reset at any time). The hold
+// does not wait for the body: a slow one keeps its place among
+// max_waiting no longer than the hold. The request's reader gets the bytes
+// read ahead, then, past maxHeldBody, the rest from the body itself.
+type heldBody struct {
+	src  io.ReadCloser
+	mu   sync.Mutex
+	more sync.Cond
+	buf  []byte // read ahead, not yet read by the request's reader
+	end  error  // why the read-ahead stopped; nil while it runs
+}
+
+// errHeldBodyFull stops the read-ahead at maxHeldBody.
+var errHeldBodyFull = errors.New("token_bucket: a held body's read-ahead is full")
+
+// readAhead starts reading r's body ahead, unless there is nothing to
+// read or the protocol needs none of it, and makes r read it through a
+// heldBody.
+func readAhead(r *http.Request) {
 	if r.ProtoMajor != 1 || r.Body == nil || r.Body == http.NoBody || r.ContentLength == 0 {
 		return
 	}
-	body := r.Body
-	data, err := io.ReadAll(io.LimitReader(body, maxHeldBody+1))
-	switch {
-	case err != nil:
-		r.Body = readCloser{io.MultiReader(bytes.NewReader(data), errorReader{err}), body}
-	case len(data) > maxHeldBody:
-		r.Body = readCloser{io.MultiReader(bytes.NewReader(data), body), body}
-	default:
-		r.Body = readCloser{bytes.NewReader(data), body}
+	b := &heldBody{src: r.Body}
+	b.more.L = &b.mu
+	r.Body = b
+	go b.run()
+}
+
+func (b *heldBody) run() {
+	chunk := make([]byte, 32<<10)
+	total := 0
+	for {
+		n, err := b.src.Read(chunk)
+		if total += n; err == nil && total >= maxHeldBody {
+			err = errHeldBodyFull
+		}
+		b.mu.Lock()
+		b.buf = append(b.buf, chunk[:n]...)
+		b.end = err
+		b.mu.Unlock()
+		b.more.Broadcast()
+		if err != nil {
+			return
+		}
 	}
 }
 
-// errorReader fails every read with its error.
-type errorReader struct{ err error }
+// Read gives the bytes read ahead, waiting for them while the read-ahead
+// runs; then the read-ahead's end (EOF, or its error), or past maxHeldBody
+// the rest of the body.
+func (b *heldBody) Read(p []byte) (int, error) {
+	b.mu.Lock()
+	for len(b.buf) == 0 && b.end == nil {
+		b.more.Wait()
+	}
+	if len(b.buf) > 0 {
+		n := copy(p, b.buf)
+		b.buf = b.buf[n:]
+		b.mu.Unlock()
+		return n, nil
+	}
+	end := b.end
+	b.mu.Unlock()
+	if end == errHeldBodyFull {
+		return b.src.Read(p) // the read-ahead has returned: one reader
+	}
+	return 0, end
+}
 
-func (e errorReader) Read([]byte) (int, error) { return 0, e.err }
+func (b *heldBody) Close() error { return b.src.Close() }
 
 // giveBack refunds what an allowed decision d charged req, for a client
 // that went away before it was served: each bucket's cost, each slot.

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -1466,5 +1467,110 @@ func TestWaitClientWithBodyLeaves(t *testing.T) {
 	})
 	if _, ok := up.seen()["r1"]; ok {
 		t.Errorf("R1 reached the upstream after its client left")
+	}
+}
+
+// TestWaitSlowBodyKeepsNoPlace: max_waiting 1, "user 1 1/s", max_wait 2s.
+// A held POST whose client sends 10 of the 100 bytes its Content-Length
+// promises, and no more, keeps its place only while it is held: the body
+// is read ahead beside the hold, not before it ends. Another client's
+// request that needs a hold then finds the place free. It used to stay
+// taken for as long as the slow body lasted.
+func TestWaitSlowBodyKeepsNoPlace(t *testing.T) {
+	up := startWaitE2EUpstream(t)
+	g := startGateway(t, waitE2ESite(up.addr, "user 1 1/s", "on_limit wait 2s\n\t\tmax_waiting 1"))
+	spec := llmSpec(t, 1, "1/s")
+	slowKey := bucket.NewKeyer("rl:", "").Key("user", "slow", "")
+	if r := g.get("X-User", "slow"); r.status != http.StatusOK {
+		t.Fatalf("the slow client's first request: %d", r.status)
+	}
+	before := g.value(slowKey)
+	conn, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", g.port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := io.WriteString(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-User: slow\r\nX-Req: slow\r\n"+
+		"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":"); err != nil {
+		t.Fatal(err)
+	}
+	redistest.WaitFor(t, 30*time.Second, "the slow request to be held", func() error {
+		v := g.value(slowKey)
+		if v == before {
+			return errors.New("not charged yet")
+		}
+		if st, err := bucket.DecodeState(v); err != nil || waitE2EHeldMS(spec, st) == 0 {
+			return fmt.Errorf("bucket %x: not a reservation (%v)", v, err)
+		}
+		return nil
+	})
+	// The other client empties its bucket after the slow request's
+	// reservation, so it needs a hold until after that one ends.
+	if r := g.get("X-User", "other"); r.status != http.StatusOK {
+		t.Fatalf("the other client's first request: %d", r.status)
+	}
+	// The slow request's hold ends within a second; until then the other
+	// client is refused the one place, and denied.
+	redistest.WaitFor(t, 30*time.Second, "the other client's request to be held and served", func() error {
+		r, err := g.tryGet("X-User", "other", "X-Req", "other")
+		if err != nil {
+			return err
+		}
+		if r.status != http.StatusOK {
+			return fmt.Errorf("%d", r.status)
+		}
+		return nil
+	})
+	if a, ok := up.seen()["other"]; !ok || a.waitMS <= 0 {
+		t.Errorf("the other client's request reached the upstream %v, held %d ms; want held", ok, a.waitMS)
+	}
+}
+
+// TestWaitClientLeavesMidBody: a held POST whose client sends part of its
+// body and then closes the connection is given its reservation back at
+// once (the body read ahead fails), not when its hold ends, and never
+// reaches the upstream.
+func TestWaitClientLeavesMidBody(t *testing.T) {
+	up := startWaitE2EUpstream(t)
+	g := startGateway(t, waitE2ESite(up.addr, "user 1 1/5s", "on_limit wait 10s"))
+	spec := llmSpec(t, 1, "1/5s")
+	key := bucket.NewKeyer("rl:", "").Key("user", "halfway", "")
+	if r := g.get("X-User", "halfway"); r.status != http.StatusOK {
+		t.Fatalf("first request: %d", r.status)
+	}
+	before := g.value(key)
+	conn, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", g.port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := io.WriteString(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-User: halfway\r\nX-Req: halfway\r\n"+
+		"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":"); err != nil {
+		t.Fatal(err)
+	}
+	var held string
+	redistest.WaitFor(t, 30*time.Second, "the request to be held", func() error {
+		held = g.value(key)
+		if held == before {
+			return errors.New("not charged yet")
+		}
+		if st, err := bucket.DecodeState(held); err != nil || waitE2EHeldMS(spec, st) < 3000 {
+			return fmt.Errorf("bucket %x: not a reservation of seconds (%v)", held, err)
+		}
+		return nil
+	})
+	conn.Close()
+	// Given back: the bucket is no longer below zero, seconds before the
+	// hold would end.
+	redistest.WaitFor(t, 30*time.Second, "the refund", func() error {
+		v := g.value(key)
+		st, err := bucket.DecodeState(v)
+		if v == "" || (v != held && err == nil && st.Units >= 0) {
+			return nil
+		}
+		return fmt.Errorf("bucket %x", v)
+	})
+	if _, ok := up.seen()["halfway"]; ok {
+		t.Errorf("the request reached the upstream after its client left")
 	}
 }
