@@ -147,7 +147,9 @@ func (s Status) String() string {
 //
 // A UsageReader uses bounded memory: it keeps at most one usage object
 // (MaxUsageObject) of an identity body, and the encoded bytes of a
-// compressed one up to MaxEncodedBody (see NewUsageReader).
+// compressed one up to MaxEncodedBody (see NewUsageReader); past them, the
+// decoder's window (32 KiB for gzip and deflate, up to maxZstdWindow for
+// zstd and 16 MiB for brotli, as the body's sender chose).
 //
 // A UsageReader is not safe for concurrent use: Write and Result must not
 // run at the same time (a handler calls both from its own goroutine).
