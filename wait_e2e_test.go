@@ -626,6 +626,28 @@ func TestWaitAcrossGatewaysNeverOverAdmits(t *testing.T) {
 		slices.Min(lateness).Round(time.Microsecond), slices.Max(lateness).Round(time.Microsecond))
 }
 
+// leavingRequest sends a request whose client will leave (when ctx is
+// canceled) in a goroutine, and returns where its end is sent: the
+// client's error, or "answered <status>" when it was answered after all.
+func leavingRequest(ctx context.Context, g *e2eGateway, method, path, body string, headers ...string) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		req, err := http.NewRequestWithContext(ctx, method, g.url+path, strings.NewReader(body))
+		if err == nil {
+			for i := 0; i+1 < len(headers); i += 2 {
+				req.Header.Set(headers[i], headers[i+1])
+			}
+			var res *http.Response
+			if res, err = g.client.Do(req); err == nil {
+				res.Body.Close()
+				err = fmt.Errorf("answered %d", res.StatusCode)
+			}
+		}
+		done <- err
+	}()
+	return done
+}
+
 // TestWaitClientLeavesGetsReservationBack: "user 2 1/s" and, as the
 // control, "ctl 2 1/s" on another header, with on_limit wait 3s. Two
 // requests carry both headers and empty both buckets in the same script
@@ -692,20 +714,7 @@ func TestWaitClientLeavesGetsReservationBack(t *testing.T) {
 	controlRaw, userRaw := g.value(ctlKey), g.value(userKey)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	r1done := make(chan error, 1)
-	go func() {
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, g.url, nil)
-		if err == nil {
-			req.Header.Set("X-User", "leaver")
-			req.Header.Set("X-Req", "r1")
-			var res *http.Response
-			if res, err = g.client.Do(req); err == nil {
-				res.Body.Close()
-				err = fmt.Errorf("answered %d", res.StatusCode)
-			}
-		}
-		r1done <- err
-	}()
+	r1done := leavingRequest(ctx, g, http.MethodGet, "", "", "X-User", "leaver", "X-Req", "r1")
 	afterR1 := changed("R1", userKey, userRaw)
 	r1Wait := waitE2EHeldMS(spec, afterR1)
 	if r1Wait == 0 || g.value(ctlKey) != controlRaw {
@@ -1420,21 +1429,8 @@ func TestWaitClientWithBodyLeaves(t *testing.T) {
 	before := g.value(key)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	done := make(chan error, 1)
-	go func() {
-		req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.url+"v1/chat/completions",
-			strings.NewReader(`{"model":"gpt-4o","messages":[{"role":"user","content":"hello"}]}`))
-		if err == nil {
-			req.Header.Set("X-User", "poster")
-			req.Header.Set("X-Req", "r1")
-			var res *http.Response
-			if res, err = g.client.Do(req); err == nil {
-				res.Body.Close()
-				err = fmt.Errorf("answered %d", res.StatusCode)
-			}
-		}
-		done <- err
-	}()
+	done := leavingRequest(ctx, g, http.MethodPost, "v1/chat/completions", `{"model":"gpt-4o","messages":[{"role":"user","content":"hello"}]}`,
+		"X-User", "poster", "X-Req", "r1")
 	poll := func(what string, ok func(v string) bool) string {
 		t.Helper()
 		deadline := time.Now().Add(30 * time.Second)
@@ -1470,6 +1466,23 @@ func TestWaitClientWithBodyLeaves(t *testing.T) {
 	}
 }
 
+// sendPartialPost opens a connection to g and sends a POST for user, held
+// by on_limit wait, with 10 of the 100 bytes of body its Content-Length
+// promises; the connection is closed at the end of the test.
+func sendPartialPost(t *testing.T, g *e2eGateway, user string) net.Conn {
+	t.Helper()
+	conn, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", g.port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	if _, err := io.WriteString(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-User: "+user+"\r\nX-Req: "+user+"\r\n"+
+		"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":"); err != nil {
+		t.Fatal(err)
+	}
+	return conn
+}
+
 // TestWaitSlowBodyKeepsNoPlace: max_waiting 1, "user 1 1/s", max_wait 2s.
 // A held POST whose client sends 10 of the 100 bytes its Content-Length
 // promises, and no more, keeps its place only while it is held: the body
@@ -1485,15 +1498,7 @@ func TestWaitSlowBodyKeepsNoPlace(t *testing.T) {
 		t.Fatalf("the slow client's first request: %d", r.status)
 	}
 	before := g.value(slowKey)
-	conn, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", g.port))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	if _, err := io.WriteString(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-User: slow\r\nX-Req: slow\r\n"+
-		"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":"); err != nil {
-		t.Fatal(err)
-	}
+	sendPartialPost(t, g, "slow")
 	redistest.WaitFor(t, 30*time.Second, "the slow request to be held", func() error {
 		v := g.value(slowKey)
 		if v == before {
@@ -1539,15 +1544,7 @@ func TestWaitClientLeavesMidBody(t *testing.T) {
 		t.Fatalf("first request: %d", r.status)
 	}
 	before := g.value(key)
-	conn, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", g.port))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	if _, err := io.WriteString(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-User: halfway\r\nX-Req: halfway\r\n"+
-		"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":"); err != nil {
-		t.Fatal(err)
-	}
+	conn := sendPartialPost(t, g, "halfway")
 	var held string
 	redistest.WaitFor(t, 30*time.Second, "the request to be held", func() error {
 		held = g.value(key)

@@ -86,6 +86,20 @@ func compress(t testing.TB, coding string, flush bool, chunks ...string) ([]byte
 	return buf.Bytes(), ends
 }
 
+// flushedWrites splits a body compressed with a flush after each chunk into
+// the writes a server makes, one per flush, the last with the end of the
+// stream (compress's ends).
+func flushedWrites(enc []byte, ends []int) [][]byte {
+	var writes [][]byte
+	prev := 0
+	for _, end := range ends {
+		writes = append(writes, enc[prev:end])
+		prev = end
+	}
+	writes[len(writes)-1] = enc[ends[len(ends)-2]:]
+	return writes
+}
+
 var codings = []string{"gzip", "x-gzip", "deflate", "deflate-raw", "br", "zstd"}
 
 // events splits a stream after each blank line.
@@ -396,13 +410,7 @@ func BenchmarkUsageReader(b *testing.B) {
 				writes = append(writes, []byte(e))
 			}
 		} else {
-			enc, ends := compress(b, coding, true, stream...)
-			prev := 0
-			for _, end := range ends {
-				writes = append(writes, enc[prev:end])
-				prev = end
-			}
-			writes[len(writes)-1] = enc[ends[len(ends)-2]:]
+			writes = flushedWrites(compress(b, coding, true, stream...))
 		}
 		cases = append(cases, bodyCase{"sse_200/" + coding, sse, coding, writes})
 	}
@@ -423,14 +431,7 @@ func BenchmarkUsageReader(b *testing.B) {
 	if len(enc) <= MaxEncodedBody {
 		b.Fatalf("the long stream is %d bytes compressed", len(enc))
 	}
-	var writes [][]byte
-	prev := 0
-	for _, end := range ends {
-		writes = append(writes, enc[prev:end])
-		prev = end
-	}
-	writes[len(writes)-1] = enc[ends[len(ends)-2]:]
-	cases = append(cases, bodyCase{"sse_5000_over_1MiB/gzip", sse, "gzip", writes})
+	cases = append(cases, bodyCase{"sse_5000_over_1MiB/gzip", sse, "gzip", flushedWrites(enc, ends)})
 	for _, bc := range cases {
 		size := 0
 		for _, w := range bc.writes {
@@ -465,14 +466,7 @@ func BenchmarkDecodeMechanism(b *testing.B) {
 		jsonWrites = append(jsonWrites, jsonEnc[i:min(i+16<<10, len(jsonEnc))])
 	}
 	stream := chatStream(200)
-	streamEnc, ends := compress(b, "gzip", true, stream...)
-	var streamWrites [][]byte
-	prev := 0
-	for _, end := range ends {
-		streamWrites = append(streamWrites, streamEnc[prev:end])
-		prev = end
-	}
-	streamWrites[len(streamWrites)-1] = streamEnc[ends[len(ends)-2]:]
+	streamWrites := flushedWrites(compress(b, "gzip", true, stream...))
 	for _, bc := range []struct {
 		name, contentType string
 		writes            [][]byte
