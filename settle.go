@@ -222,8 +222,9 @@ func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, v *verdict, rec 
 	}
 	id, _ := repl.GetString("http.request.uuid")
 	// The client may be gone: the settlement is the gateway's own call.
+	sent := time.Now()
 	err := h.conn.settle(context.WithoutCancel(r.Context()), id, keys, adj)
-	if err != nil && h.retrySettle(id, keys, adj, used, err) {
+	if err != nil && h.retrySettle(sent, id, keys, adj, used, err) {
 		return
 	}
 	h.settled(keys, adj, used, err)
@@ -233,8 +234,20 @@ func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, v *verdict, rec 
 // call failed (Redis unreachable or restarting, the breaker open, a reply
 // lost): about 36 s in all, the failovers of Sentinel and Cluster
 // included. A retry of a call that ran in Redis changes nothing (settle.lua
-// keeps a marker per request), so a settlement lands exactly once.
+// keeps a marker per request, bucket.SettleTTL), so a settlement lands
+// exactly once: a retry is made only while that marker surely lives (see
+// settleRetryable).
 var settleRetryWaits = [...]time.Duration{time.Second, 5 * time.Second, 30 * time.Second}
+
+// settleRetryable reports whether a retry of a settlement first sent at
+// sent may be sent at at, for calls that take up to timeout: it must have
+// run in Redis a timeout before the marker of the first call, which ran
+// after sent, can expire. With a long redis timeout (10 s: the last retry
+// would run some 66 s after the first call) the last retries are not
+// made, and the estimate stands.
+func settleRetryable(sent, at time.Time, timeout time.Duration) bool {
+	return !at.Add(2 * timeout).After(sent.Add(bucket.SettleTTL))
+}
 
 // maxSettleRetries bounds the settlements this process retries at once:
 // through a long outage each waits with its keys and adjustments. Past it,
@@ -244,10 +257,10 @@ const maxSettleRetries = 10_000
 var settleRetrying atomic.Int64
 
 // retrySettle retries in the background, after settleRetryWaits, a
-// settlement whose first call failed with err, and reports whether it
-// does. It holds the Redis client meanwhile (a reload closes it after its
-// last hold).
-func (h *Handler) retrySettle(id string, keys []string, adj []bucket.Adjust, used int64, err error) bool {
+// settlement whose first call, sent at sent, failed with err, and reports
+// whether it does. It holds the Redis client meanwhile (a reload closes it
+// after its last hold).
+func (h *Handler) retrySettle(sent time.Time, id string, keys []string, adj []bucket.Adjust, used int64, err error) bool {
 	if settleRetrying.Add(1) > maxSettleRetries || !h.conn.hold() {
 		settleRetrying.Add(-1)
 		return false
@@ -256,8 +269,11 @@ func (h *Handler) retrySettle(id string, keys []string, adj []bucket.Adjust, use
 	go func() {
 		defer settleRetrying.Add(-1)
 		defer h.conn.release()
-		var err error
+		err := err
 		for _, wait := range settleRetryWaits {
+			if !settleRetryable(sent, time.Now().Add(wait), h.conn.timeout) {
+				break
+			}
 			t := time.NewTimer(wait)
 			<-t.C
 			if err = h.conn.settle(context.Background(), id, keys, adj); err == nil {

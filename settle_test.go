@@ -295,3 +295,35 @@ func TestSettlementRetriedAfterRedisFails(t *testing.T) {
 		t.Errorf("the bucket holds %d tokens, want %d: the %d used, settled once", got, want, used.Total(providertest.ChatCompletions))
 	}
 }
+
+// TestSettleRetryable: a retry of a failed settlement is made only while
+// it runs in Redis a timeout before the first call's marker can expire
+// (bucket.SettleTTL after the first call was sent), so that it never lands
+// twice. With the default 50 ms timeout every retry is made; with a 10 s
+// one whose calls all time out (the first at 10 s, then retries at 11 s,
+// failing at 21 s, and at 26 s, failing at 36 s), the third retry, at
+// 66 s, is not.
+func TestSettleRetryable(t *testing.T) {
+	sent := time.Unix(1_800_000_000, 0)
+	for _, tc := range []struct {
+		at      time.Duration
+		timeout time.Duration
+		want    bool
+	}{
+		{36 * time.Second, 50 * time.Millisecond, true},
+		{59*time.Second + 900*time.Millisecond, 50 * time.Millisecond, true},
+		{59*time.Second + 901*time.Millisecond, 50 * time.Millisecond, false},
+		{11 * time.Second, 10 * time.Second, true},
+		{26 * time.Second, 10 * time.Second, true},
+		{40 * time.Second, 10 * time.Second, true},
+		{40*time.Second + time.Millisecond, 10 * time.Second, false},
+		{66 * time.Second, 10 * time.Second, false},
+	} {
+		if got := settleRetryable(sent, sent.Add(tc.at), tc.timeout); got != tc.want {
+			t.Errorf("a retry at %v with a %v timeout: %v, want %v", tc.at, tc.timeout, got, tc.want)
+		}
+	}
+	if bucket.SettleTTL != time.Minute {
+		t.Errorf("SettleTTL %v: the cases above are for a minute", bucket.SettleTTL)
+	}
+}

@@ -11,10 +11,11 @@ import (
 
 // SettleTTL is how long a request's settlement marker is kept: a second
 // settlement of the same request within it changes nothing. A second call
-// can only come from a client library replaying the first (go-redis's
-// ClusterClient does after a lost reply) within the call's timeout, so a
-// minute is ample, and Redis holds at most a minute of settled requests'
-// markers (about 100 bytes each).
+// comes from a client library replaying the first (go-redis's
+// ClusterClient does after a lost reply) within the call's timeout, or
+// from the gateway's own retries of a failed settlement, which it makes
+// only while the marker surely lives; Redis holds at most a minute of
+// settled requests' markers (about 100 bytes each).
 const SettleTTL = time.Minute
 
 // Adjust is a settlement of one bucket: Delta tokens more to charge (> 0)
