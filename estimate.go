@@ -216,18 +216,18 @@ func completes(path string) bool {
 
 // countsTokens reports whether a request to path counts its prompt's
 // tokens without running the model: Anthropic's /v1/messages/count_tokens
-// and OpenAI's /v1/responses/input_tokens. The providers serve both free
-// (Anthropic: "free to use but subject to requests per minute rate
-// limits", with limits of their own apart from message creation), and
-// their answers report a count, not usage, so charging the prompt would
-// bill a client that counts before it sends twice for one prompt, and
-// never give it back. The path must end in the whole endpoint, so that
-// one a prefix-routing upstream would serve as a completion
-// (/v1/chat/completions/count_tokens) is not free. A trailing slash is
-// ignored.
+// and OpenAI's /v1/responses/input_tokens, the whole path as this handler
+// sees it (after handle_path or uri strip_prefix), a trailing slash
+// ignored. The providers serve both free (Anthropic: "free to use but
+// subject to requests per minute rate limits", with limits of their own
+// apart from message creation), and their answers report a count, not
+// usage, so charging the prompt would bill a client that counts before it
+// sends twice for one prompt, and never give it back. No other path is
+// one: an upstream that routes by prefix would serve
+// /v1/chat/completions/v1/messages/count_tokens as a completion.
 func countsTokens(path string) bool {
 	path = strings.TrimRight(path, "/")
-	return strings.HasSuffix(path, "/messages/count_tokens") || strings.HasSuffix(path, "/responses/input_tokens")
+	return path == "/v1/messages/count_tokens" || path == "/v1/responses/input_tokens"
 }
 
 // uploads reports whether a request to path is one whose body is a form

@@ -1404,7 +1404,9 @@ func TestCompletesAndUploads(t *testing.T) {
 	}
 	for path, want := range map[string]bool{"/v1/messages/count_tokens": true, "/v1/messages/count_tokens/": true,
 		"/v1/responses/input_tokens": true, "/v1/messages": false, "/v1/responses": false, "/v1/chat/completions": false,
-		"/v1/chat/completions/count_tokens": false, "/v1/messages;/count_tokens": false, "/x/input_tokens/": false} {
+		"/v1/chat/completions/count_tokens": false, "/v1/messages;/count_tokens": false, "/x/input_tokens/": false,
+		"/v1/chat/completions/messages/count_tokens": false, "/v1/chat/completions/v1/responses/input_tokens": false,
+		"/anthropic/v1/messages/count_tokens": false} {
 		if got := countsTokens(path); got != want {
 			t.Errorf("countsTokens(%q) = %v, want %v", path, got, want)
 		}
