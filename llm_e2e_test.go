@@ -1421,11 +1421,12 @@ func TestCompletesAndUploads(t *testing.T) {
 }
 
 // TestFailuresThatMayHaveRunKeepTheEstimate: an answer that says the
-// model did not run (a 503) gives the estimate back; a failure that may
-// have come after the model ran keeps it: reverse_proxy's 502 (it cannot
-// tell whether an earlier try of lb_retries reached the model) and 504
-// (an upstream that took the request and did not answer in time), and a
-// 504 that a proxy between the gateway and the model answers itself.
+// model did not run (a 503 with OpenAI's error object) gives the estimate
+// back; a failure that may have come after the model ran keeps it:
+// reverse_proxy's 502 (it cannot tell whether an earlier try of lb_retries
+// reached the model) and 504 (an upstream that took the request and did
+// not answer in time), and the errors a proxy between the gateway and the
+// model answers itself (a 504, Envoy's plain-text 503, an HTML 500).
 func TestFailuresThatMayHaveRunKeepTheEstimate(t *testing.T) {
 	stop := make(chan struct{})
 	silent := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -1437,6 +1438,12 @@ func TestFailuresThatMayHaveRunKeepTheEstimate(t *testing.T) {
 			w.Header().Set("Content-Type", "application/json")
 			w.WriteHeader(http.StatusServiceUnavailable)
 			_, _ = io.WriteString(w, `{"error":{"message":"The engine is currently overloaded, please try again later","type":"server_error","param":null,"code":null}}`)
+		case "/envoy503/v1/chat/completions":
+			http.Error(w, "upstream connect error or disconnect/reset before headers. reset reason: connection termination", http.StatusServiceUnavailable)
+		case "/html500/v1/chat/completions":
+			w.Header().Set("Content-Type", "text/html")
+			w.WriteHeader(http.StatusInternalServerError)
+			_, _ = io.WriteString(w, "<html><body><h1>500 Internal Server Error</h1></body></html>")
 		default:
 			<-stop // took the request; never answers
 		}
@@ -1475,6 +1482,8 @@ func TestFailuresThatMayHaveRunKeepTheEstimate(t *testing.T) {
 		{"dead/v1/chat/completions", http.StatusBadGateway, true},
 		{"v1/chat/completions", http.StatusGatewayTimeout, true},
 		{"proxy504/v1/chat/completions", http.StatusGatewayTimeout, true},
+		{"envoy503/v1/chat/completions", http.StatusServiceUnavailable, true},
+		{"html500/v1/chat/completions", http.StatusInternalServerError, true},
 		{"503/v1/chat/completions", http.StatusServiceUnavailable, false},
 	} {
 		user := strings.ReplaceAll(tc.path, "/", "-")

@@ -66,6 +66,7 @@ type usageRecorder struct {
 	filterUsage bool // the body was sent with include_usage added
 	wroteHeader bool
 	code        int                   // the final status, from the first WriteHeader
+	errorObject bool                  // the body is the provider's error object (see finish)
 	usage       *llm.UsageReader      // from the first WriteHeader
 	filter      *llm.UsageChunkFilter // nil: the client gets every byte
 }
@@ -110,21 +111,26 @@ func (rec *usageRecorder) Write(p []byte) (int, error) {
 }
 
 // notRun reports whether the request reached no model: the upstream
-// answered an error (4xx, 5xx) that says it did not run it. OpenAI and
+// answered an error status with the provider's own error object (see
+// llm.UsageReader.ErrorObject), which says it did not run it. OpenAI and
 // Anthropic bill no request that fails (a 400, a 429, Anthropic's 529
-// overloaded_error), and the SDKs retry 409, 429 and 5xx twice by default,
-// so an estimate kept for each would charge one failed call three times.
-// A timeout (408, 504, Cloudflare's 522 and 524) or a 502 may come from a
-// proxy between the gateway and the model after the model ran (and was
-// billed), and is not one; nor is a reverse_proxy failure, which answers
-// no status here (it cannot tell whether an earlier try of lb_retries
-// reached the model).
+// overloaded_error), and the SDKs retry 409, 429 and 5xx twice by
+// default, so an estimate kept for each would charge one failed call three
+// times. A proxy between the gateway and the model may answer an error
+// after the model ran (and was billed): its own page (nginx's HTML 502,
+// Envoy's plain-text 503 "upstream connect error or disconnect/reset",
+// Cloudflare's 52x) is not the provider's error object, and a timeout
+// (408, 504, 522, 524) or 502 is not one even in JSON (LiteLLM answers its
+// timeouts in OpenAI's shape). Nor is a reverse_proxy failure, which
+// writes no status here (it cannot tell whether an earlier try of
+// lb_retries reached the model), nor an answer whose body was not read
+// (settle header).
 func (rec *usageRecorder) notRun() bool {
 	switch rec.code {
 	case http.StatusRequestTimeout, http.StatusBadGateway, http.StatusGatewayTimeout, 522, 524:
 		return false
 	}
-	return rec.code >= 400
+	return rec.code >= 400 && rec.errorObject
 }
 
 // Unwrap lets http.ResponseController reach Flush and the rest.
@@ -154,6 +160,7 @@ func (rec *usageRecorder) finish(s *Settle) (used int64, status llm.Status, part
 		return 0, llm.NotReported, false
 	}
 	u, status := rec.usage.Result()
+	rec.errorObject = rec.usage.ErrorObject()
 	rec.usage.Release()
 	rec.usage = nil
 	return u.Total(), status, u.Partial

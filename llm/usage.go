@@ -289,6 +289,16 @@ func (r *UsageReader) Result() (Usage, Status) {
 	return u, s
 }
 
+// ErrorObject reports whether the body is a JSON object with a top-level
+// "error" member: the error shape of OpenAI's API, Anthropic's
+// ({"type":"error","error":{...}}) and the APIs that follow them, and not
+// the page of a proxy in between (HTML, plain text). It reads the body as
+// far as it was written, and for a compressed body as far as Result last
+// decoded it: call it after Result. An event stream is never one.
+func (r *UsageReader) ErrorObject() bool {
+	return !r.unknown && !r.body.sse && r.body.scan.errorTop
+}
+
 // IsIdentity reports whether a Content-Encoding list applies no content
 // coding: empty, or identity only. A UsageChunkFilter reads only such a
 // stream.

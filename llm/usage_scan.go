@@ -39,6 +39,8 @@ type jsonScan struct {
 
 	capturing bool // reading a usage value (after its colon)
 	capDepth  int  // the depth of its member
+
+	errorTop bool // a JSON body (not event data) has a top-level "error" member
 }
 
 // maxName is the longest raw member name kept: "response" with every
@@ -51,6 +53,7 @@ const (
 	memberUsage
 	memberMessage
 	memberResponse
+	memberError
 )
 
 func (s *jsonScan) reset(paths bool) {
@@ -168,6 +171,9 @@ func (s *jsonScan) closeString() {
 	if s.inName {
 		s.inName = false
 		s.member = s.nameIs()
+		if s.member == memberError && s.depth == 1 && !s.paths {
+			s.errorTop = true
+		}
 	}
 }
 
@@ -221,6 +227,8 @@ func (s *jsonScan) nameIs() int {
 		return memberMessage
 	case "response":
 		return memberResponse
+	case "error":
+		return memberError
 	}
 	return memberOther
 }

@@ -525,3 +525,49 @@ func TestIsIdentity(t *testing.T) {
 		}
 	}
 }
+
+// TestErrorObject: a JSON body whose top-level object has an "error"
+// member is the provider's error object, however it is written or
+// encoded, and split at any byte; a nested "error", a proxy's page and an
+// event stream are not.
+func TestErrorObject(t *testing.T) {
+	for _, tc := range []struct {
+		name, contentType, body string
+		want                    bool
+	}{
+		{"openai", "application/json", `{"error":{"message":"The server had an error while processing your request.","type":"server_error","param":null,"code":null}}`, true},
+		{"anthropic", "application/json", `{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}`, true},
+		{"escaped_name", "application/json", ` {"\u0065rror":"x"}`, true},
+		{"after_other_members", "application/json", `{"id":"x","usage":null,"error":null}`, true},
+		{"nested", "application/json", `{"data":{"error":{"message":"x"}}}`, false},
+		{"in_a_string", "application/json", `{"message":"\"error\":1"}`, false},
+		{"array", "application/json", `[{"error":1}]`, false},
+		{"envoy", "text/plain", "upstream connect error or disconnect/reset before headers. reset reason: connection termination", false},
+		{"nginx", "text/html", "<html><head><title>502 Bad Gateway</title></head></html>", false},
+		{"event_stream", sse, "data: {\"error\":{\"message\":\"x\"}}\n\n", false},
+	} {
+		for _, split := range []int{0, 1, 3, 9} {
+			chunks := []string{tc.body}
+			if split > 0 && split < len(tc.body) {
+				chunks = []string{tc.body[:split], tc.body[split:]}
+			}
+			r := NewUsageReader(tc.contentType, "")
+			for _, c := range chunks {
+				r.Write([]byte(c))
+			}
+			r.Result()
+			if got := r.ErrorObject(); got != tc.want {
+				t.Errorf("%s split at %d: %v, want %v", tc.name, split, got, tc.want)
+			}
+			r.Release()
+		}
+		enc, _ := compress(t, "gzip", false, tc.body)
+		r := NewUsageReader(tc.contentType, "gzip")
+		r.Write(enc)
+		r.Result()
+		if got := r.ErrorObject(); got != tc.want {
+			t.Errorf("%s, gzip: %v, want %v", tc.name, got, tc.want)
+		}
+		r.Release()
+	}
+}
