@@ -19,6 +19,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2/caddytest"
+
 	"github.com/token-bucket/token_bucket/bucket"
 	"github.com/token-bucket/token_bucket/internal/providertest"
 	"github.com/token-bucket/token_bucket/internal/redistest"
@@ -1020,4 +1022,60 @@ func TestSDKLongCompressedStreamSettles(t *testing.T) {
 	if got, want := wholeTokens(after), capacity-used.Total(providertest.ChatCompletions); got != want {
 		t.Errorf("after the stream: %d whole tokens, want %d: the %d used, not the estimate %d", got, want, used.Total(providertest.ChatCompletions), charged)
 	}
+}
+
+// TestExampleDemoStreamsForTheSDK: Caddyfile.example as `make run` serves
+// it. The openai SDK's chat stream, which asks for one with "stream": true
+// in its body, gets the demo upstream's stream: two content chunks and no
+// usage, as it did not ask for usage; the gateway asked for it
+// (include_usage), took it out, and settled the request from it (21
+// tokens). The demo used to stream only for Accept: text/event-stream,
+// and the SDK read its JSON answer as a stream of nothing.
+func TestExampleDemoStreamsForTheSDK(t *testing.T) {
+	src, err := os.ReadFile("Caddyfile.example")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	gwPort, upPort := redistest.FreePort(t), redistest.FreePort(t)
+	t.Setenv("GATEWAY_PORT", strconv.Itoa(gwPort))
+	t.Setenv("UPSTREAM_PORT", strconv.Itoa(upPort))
+	t.Setenv("REDIS_URL", "redis://"+srv.Addr)
+	t.Setenv("CADDY_ADMIN", "localhost:"+strconv.Itoa(adminPort))
+	tester := caddytest.NewTester(t).WithDefaultOverrides(testerConfig())
+	t.Cleanup(func() {
+		if err := postLoad(globalOptions(gwPort), "caddyfile"); err != nil {
+			t.Errorf("unloading the example: %v", err)
+		}
+	})
+	tester.InitServer(string(src), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	base := fmt.Sprintf("http://127.0.0.1:%d/", gwPort)
+	c := runSDK(t, "openai.chat.stream", base, sdkOptions{APIKey: "sk-standard-demo"})[0]
+	okCall(t, "the stream", c)
+	var text strings.Builder
+	for i, raw := range c.Chunks {
+		var ch struct {
+			Object  string
+			Choices []struct{ Delta struct{ Content string } }
+			Usage   json.RawMessage
+		}
+		if err := json.Unmarshal(raw, &ch); err != nil || ch.Object != "chat.completion.chunk" || len(ch.Choices) != 1 || ch.Usage != nil {
+			t.Fatalf("chunk %d: %s (%v); want a content chunk without usage", i, raw, err)
+		}
+		text.WriteString(ch.Choices[0].Delta.Content)
+	}
+	if len(c.Chunks) != 2 || text.String() != "Hello from the demo upstream." {
+		t.Fatalf("%d chunks saying %q, want 2 saying the demo's answer", len(c.Chunks), text.String())
+	}
+	key := bucket.NewKeyer("rl:", "").Key("api_key", "sk-standard-demo", "tokens")
+	redistest.WaitFor(t, settleTimeout, "the stream's settlement", func() error {
+		if n := len(rdb.Keys(context.Background(), key+":settled:*").Val()); n != 1 {
+			return fmt.Errorf("%d settlement markers", n)
+		}
+		return nil
+	})
 }

@@ -13,9 +13,19 @@ cd "$(dirname "$0")/.."
 export GATEWAY_PORT="${GATEWAY_PORT:-8080}"
 export UPSTREAM_PORT="${UPSTREAM_PORT:-8081}"
 
-# free_port prints a TCP port on 127.0.0.1 that is free right now.
+# free_port prints a TCP port on 127.0.0.1 that nothing listens on right
+# now (bash's /dev/tcp: a refused connection), from the dynamic range.
 free_port() {
-	python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+	local port
+	for _ in $(seq 100); do
+		port=$((49152 + RANDOM % 16384))
+		if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+			echo "$port"
+			return 0
+		fi
+	done
+	echo "run.sh: no free port found" >&2
+	return 1
 }
 
 scripts/install-redis.sh
@@ -74,8 +84,15 @@ Try, in another terminal:
   # X-API-Key works as well as Authorization: Bearer
   curl -i -H 'X-API-Key: sk-enterprise-demo' -d '{}' $gw/v1/chat/completions
 
-  # the buckets in Redis (hashed identities, never raw keys)
-  redis-cli -p $redis_port --scan --pattern 'rl:*'
+  # a stream, as the SDKs ask for one: settled from the usage chunk the
+  # gateway asks the upstream for and takes out
+  curl -N -H 'Authorization: Bearer sk-standard-demo' \\
+    -d '{"model":"demo-model","stream":true,"messages":[{"role":"user","content":"hi"}]}' \\
+    $gw/v1/chat/completions
+
+  # the buckets in Redis (hashed identities, never raw keys), without the
+  # settlements' markers
+  redis-cli -p $redis_port --scan --pattern 'rl:*' | grep -v ':settled:'
 
 Ctrl-C stops Caddy and Redis.
 
