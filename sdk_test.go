@@ -1024,58 +1024,68 @@ func TestSDKLongCompressedStreamSettles(t *testing.T) {
 	}
 }
 
-// TestExampleDemoStreamsForTheSDK: Caddyfile.example as `make run` serves
-// it. The openai SDK's chat stream, which asks for one with "stream": true
-// in its body, gets the demo upstream's stream: two content chunks and no
-// usage, as it did not ask for usage; the gateway asked for it
-// (include_usage), took it out, and settled the request from it (21
-// tokens). The demo used to stream only for Accept: text/event-stream,
-// and the SDK read its JSON answer as a stream of nothing.
+// TestExampleDemoStreamsForTheSDK: each example Caddyfile as it is
+// served. The openai SDK's chat stream, which asks for one with "stream":
+// true in its body, gets the demo upstream's stream: two content chunks
+// and no usage, as it did not ask for usage; the gateway asked for it
+// (include_usage), took it out, and settled the request from it. The demo
+// used to stream only for Accept: text/event-stream (Caddyfile.example)
+// or never (Caddyfile.llm.example), and the SDK read its JSON answer as a
+// stream of nothing.
 func TestExampleDemoStreamsForTheSDK(t *testing.T) {
-	src, err := os.ReadFile("Caddyfile.example")
-	if err != nil {
-		t.Fatal(err)
+	for _, tc := range []struct{ file, apiKey string }{
+		{"Caddyfile.example", "sk-standard-demo"},
+		{"Caddyfile.llm.example", "sk-pro-demo"},
+	} {
+		t.Run(tc.file, func(t *testing.T) {
+			src, err := os.ReadFile(tc.file)
+			if err != nil {
+				t.Fatal(err)
+			}
+			srv := redistest.Start(t)
+			rdb := srv.Client(t)
+			gwPort, upPort := redistest.FreePort(t), redistest.FreePort(t)
+			t.Setenv("GATEWAY_PORT", strconv.Itoa(gwPort))
+			t.Setenv("UPSTREAM_PORT", strconv.Itoa(upPort))
+			t.Setenv("REDIS_URL", "redis://"+srv.Addr)
+			t.Setenv("REDIS_TIMEOUT", "10s") // never on_redis_error on a slow test machine
+			t.Setenv("CADDY_ADMIN", "localhost:"+strconv.Itoa(adminPort))
+			t.Setenv("TOKEN_BUCKET_KEY_SECRET", "") // keys are plain SHA-256
+			tester := caddytest.NewTester(t).WithDefaultOverrides(testerConfig())
+			t.Cleanup(func() {
+				if err := postLoad(globalOptions(gwPort), "caddyfile"); err != nil {
+					t.Errorf("unloading the example: %v", err)
+				}
+			})
+			tester.InitServer(string(src), "caddyfile")
+			if t.Failed() {
+				t.FailNow()
+			}
+			base := fmt.Sprintf("http://127.0.0.1:%d/", gwPort)
+			c := runSDK(t, "openai.chat.stream", base, sdkOptions{APIKey: tc.apiKey})[0]
+			okCall(t, "the stream", c)
+			var text strings.Builder
+			for i, raw := range c.Chunks {
+				var ch struct {
+					Object  string
+					Choices []struct{ Delta struct{ Content string } }
+					Usage   json.RawMessage
+				}
+				if err := json.Unmarshal(raw, &ch); err != nil || ch.Object != "chat.completion.chunk" || len(ch.Choices) != 1 || ch.Usage != nil {
+					t.Fatalf("chunk %d: %s (%v); want a content chunk without usage", i, raw, err)
+				}
+				text.WriteString(ch.Choices[0].Delta.Content)
+			}
+			if len(c.Chunks) != 2 || text.String() != "Hello from the demo upstream." {
+				t.Fatalf("%d chunks saying %q, want 2 saying the demo's answer", len(c.Chunks), text.String())
+			}
+			key := bucket.NewKeyer("rl:", "").Key("api_key", tc.apiKey, "tokens")
+			redistest.WaitFor(t, settleTimeout, "the stream's settlement", func() error {
+				if n := len(rdb.Keys(context.Background(), key+":settled:*").Val()); n != 1 {
+					return fmt.Errorf("%d settlement markers", n)
+				}
+				return nil
+			})
+		})
 	}
-	srv := redistest.Start(t)
-	rdb := srv.Client(t)
-	gwPort, upPort := redistest.FreePort(t), redistest.FreePort(t)
-	t.Setenv("GATEWAY_PORT", strconv.Itoa(gwPort))
-	t.Setenv("UPSTREAM_PORT", strconv.Itoa(upPort))
-	t.Setenv("REDIS_URL", "redis://"+srv.Addr)
-	t.Setenv("CADDY_ADMIN", "localhost:"+strconv.Itoa(adminPort))
-	tester := caddytest.NewTester(t).WithDefaultOverrides(testerConfig())
-	t.Cleanup(func() {
-		if err := postLoad(globalOptions(gwPort), "caddyfile"); err != nil {
-			t.Errorf("unloading the example: %v", err)
-		}
-	})
-	tester.InitServer(string(src), "caddyfile")
-	if t.Failed() {
-		t.FailNow()
-	}
-	base := fmt.Sprintf("http://127.0.0.1:%d/", gwPort)
-	c := runSDK(t, "openai.chat.stream", base, sdkOptions{APIKey: "sk-standard-demo"})[0]
-	okCall(t, "the stream", c)
-	var text strings.Builder
-	for i, raw := range c.Chunks {
-		var ch struct {
-			Object  string
-			Choices []struct{ Delta struct{ Content string } }
-			Usage   json.RawMessage
-		}
-		if err := json.Unmarshal(raw, &ch); err != nil || ch.Object != "chat.completion.chunk" || len(ch.Choices) != 1 || ch.Usage != nil {
-			t.Fatalf("chunk %d: %s (%v); want a content chunk without usage", i, raw, err)
-		}
-		text.WriteString(ch.Choices[0].Delta.Content)
-	}
-	if len(c.Chunks) != 2 || text.String() != "Hello from the demo upstream." {
-		t.Fatalf("%d chunks saying %q, want 2 saying the demo's answer", len(c.Chunks), text.String())
-	}
-	key := bucket.NewKeyer("rl:", "").Key("api_key", "sk-standard-demo", "tokens")
-	redistest.WaitFor(t, settleTimeout, "the stream's settlement", func() error {
-		if n := len(rdb.Keys(context.Background(), key+":settled:*").Val()); n != 1 {
-			return fmt.Errorf("%d settlement markers", n)
-		}
-		return nil
-	})
 }
