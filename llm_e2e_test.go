@@ -1110,34 +1110,32 @@ func collectTokenBuckets(t *testing.T, raw json.RawMessage, out *[]json.RawMessa
 	walk(v)
 }
 
-// TestLLMExampleRuns loads Caddyfile.llm.example as it is, with its
-// environment variables pointing at free ports and a test Redis, and sends
-// a chat completion through it: the demo upstream answers with usage 21,
-// the estimate (⌈6/4⌉ + 1024 = 1026) is charged first and settled down to
-// 21 after.
-func TestLLMExampleRuns(t *testing.T) {
+// serveExample loads the example Caddyfile file as it is, with its
+// environment variables pointing at free ports and a test Redis (a 10 s
+// timeout, so that a slow test machine never meets on_redis_error; plain
+// SHA-256 keys), until the end of the test. It returns the gateway's base
+// URL and a client of the Redis.
+func serveExample(t *testing.T, file string) (string, *redis.Client) {
+	t.Helper()
 	t.Cleanup(func() {
 		if t.Skipped() && !testing.Short() {
 			t.Error("skipped: Caddy could not start")
 		}
 	})
-	src, err := os.ReadFile("Caddyfile.llm.example")
+	src, err := os.ReadFile(file)
 	if err != nil {
 		t.Fatal(err)
 	}
 	srv := redistest.Start(t)
-	rdb := srv.Client(t)
 	gwPort, upPort := redistest.FreePort(t), redistest.FreePort(t)
 	t.Setenv("GATEWAY_PORT", strconv.Itoa(gwPort))
 	t.Setenv("UPSTREAM_PORT", strconv.Itoa(upPort))
 	t.Setenv("REDIS_URL", "redis://"+srv.Addr)
-	t.Setenv("REDIS_TIMEOUT", "10s") // never on_redis_error on a slow test machine
+	t.Setenv("REDIS_TIMEOUT", "10s")
 	t.Setenv("CADDY_ADMIN", "localhost:"+strconv.Itoa(adminPort))
-	t.Setenv("TOKEN_BUCKET_KEY_SECRET", "") // keys are plain SHA-256
+	t.Setenv("TOKEN_BUCKET_KEY_SECRET", "")
 	tester := caddytest.NewTester(t).WithDefaultOverrides(testerConfig())
-	tr := &http.Transport{MaxConnsPerHost: 1, DisableCompression: true}
 	t.Cleanup(func() {
-		tr.CloseIdleConnections()
 		if err := postLoad(globalOptions(gwPort), "caddyfile"); err != nil {
 			t.Errorf("unloading the example: %v", err)
 		}
@@ -1146,7 +1144,19 @@ func TestLLMExampleRuns(t *testing.T) {
 	if t.Failed() {
 		t.FailNow()
 	}
-	lg := &llmGateway{e2eGateway: &e2eGateway{t: t, rdb: rdb, url: fmt.Sprintf("http://127.0.0.1:%d/", gwPort)},
+	return fmt.Sprintf("http://127.0.0.1:%d/", gwPort), srv.Client(t)
+}
+
+// TestLLMExampleRuns loads Caddyfile.llm.example as it is, with its
+// environment variables pointing at free ports and a test Redis, and sends
+// a chat completion through it: the demo upstream answers with usage 21,
+// the estimate (⌈6/4⌉ + 1024 = 1026) is charged first and settled down to
+// 21 after.
+func TestLLMExampleRuns(t *testing.T) {
+	base, rdb := serveExample(t, "Caddyfile.llm.example")
+	tr := &http.Transport{MaxConnsPerHost: 1, DisableCompression: true}
+	t.Cleanup(tr.CloseIdleConnections)
+	lg := &llmGateway{e2eGateway: &e2eGateway{t: t, rdb: rdb, url: base},
 		client: &http.Client{Transport: tr, Timeout: time.Minute}}
 	key := bucket.NewKeyer("rl:", "").Key("api_key", "sk-free-demo", "tokens")
 	const body = `{"model":"demo","messages":[{"role":"user","content":"Hello!"}]}`

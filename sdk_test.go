@@ -19,8 +19,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddyserver/caddy/v2/caddytest"
-
 	"github.com/token-bucket/token_bucket/bucket"
 	"github.com/token-bucket/token_bucket/internal/providertest"
 	"github.com/token-bucket/token_bucket/internal/redistest"
@@ -1038,30 +1036,7 @@ func TestExampleDemoStreamsForTheSDK(t *testing.T) {
 		{"Caddyfile.llm.example", "sk-pro-demo"},
 	} {
 		t.Run(tc.file, func(t *testing.T) {
-			src, err := os.ReadFile(tc.file)
-			if err != nil {
-				t.Fatal(err)
-			}
-			srv := redistest.Start(t)
-			rdb := srv.Client(t)
-			gwPort, upPort := redistest.FreePort(t), redistest.FreePort(t)
-			t.Setenv("GATEWAY_PORT", strconv.Itoa(gwPort))
-			t.Setenv("UPSTREAM_PORT", strconv.Itoa(upPort))
-			t.Setenv("REDIS_URL", "redis://"+srv.Addr)
-			t.Setenv("REDIS_TIMEOUT", "10s") // never on_redis_error on a slow test machine
-			t.Setenv("CADDY_ADMIN", "localhost:"+strconv.Itoa(adminPort))
-			t.Setenv("TOKEN_BUCKET_KEY_SECRET", "") // keys are plain SHA-256
-			tester := caddytest.NewTester(t).WithDefaultOverrides(testerConfig())
-			t.Cleanup(func() {
-				if err := postLoad(globalOptions(gwPort), "caddyfile"); err != nil {
-					t.Errorf("unloading the example: %v", err)
-				}
-			})
-			tester.InitServer(string(src), "caddyfile")
-			if t.Failed() {
-				t.FailNow()
-			}
-			base := fmt.Sprintf("http://127.0.0.1:%d/", gwPort)
+			base, rdb := serveExample(t, tc.file)
 			c := runSDK(t, "openai.chat.stream", base, sdkOptions{APIKey: tc.apiKey})[0]
 			okCall(t, "the stream", c)
 			var text strings.Builder
