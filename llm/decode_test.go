@@ -283,6 +283,9 @@ func TestDecodeLimits(t *testing.T) {
 					if cap(r.enc) > MaxEncodedBody {
 						t.Fatalf("%s %s: kept %d bytes", coding, name, cap(r.enc))
 					}
+					if i == 64<<10 {
+						r.Result() // a Result before the bound: the one after must not be it
+					}
 				}
 				if u, st := r.Result(); st != Found || u.InputTokens != 5 {
 					t.Errorf("%s %s, %d encoded bytes: %+v, %v; want the 5 input tokens found", coding, name, len(enc), u, st)

@@ -231,6 +231,7 @@ func (r *UsageReader) Write(p []byte) (int, error) {
 		r.stream.write(p)
 	case len(r.enc)+len(p) > MaxEncodedBody:
 		r.body.reset(r.body.sse)
+		r.decoded = false // a Result of the bytes before is stale
 		r.stream = startStream(r.codings[:r.ncodings], r.enc, &r.body)
 		r.stream.write(p)
 		r.enc = r.enc[:0] // the decoder has copied them
