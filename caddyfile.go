@@ -326,6 +326,7 @@ func (h *Handler) unmarshalDemote(d *caddyfile.Dispenser) error {
 //
 //	settle {
 //		include_usage
+//		keep_failed
 //		header <name>
 //	}
 func (h *Handler) unmarshalSettle(d *caddyfile.Dispenser) error {
@@ -353,6 +354,11 @@ func (h *Handler) unmarshalSettle(d *caddyfile.Dispenser) error {
 				return argErr(d, opt, args, "no arguments")
 			}
 			h.Settle.IncludeUsage = true
+		case "keep_failed":
+			if args := d.RemainingArgs(); len(args) > 0 {
+				return argErr(d, opt, args, "no arguments")
+			}
+			h.Settle.KeepFailed = true
 		case "header":
 			v, err := oneArg(d)
 			if err != nil {

@@ -77,7 +77,7 @@ func TestConfigMessages(t *testing.T) {
 // TestConfigAcceptedAlike: values the JSON form takes, the Caddyfile takes
 // too, with the same meaning.
 func TestConfigAcceptedAlike(t *testing.T) {
-	h, err := parseBlock(freeTier + "redis {\n\tpool_size 0\n\tbreaker_failures 0\n}\ncost estimate {\n\ttokenizer o200k_base\n\tread_timeout 2s\n}\nsettle {\n\tinclude_usage\n\theader X-Used\n}\nerror_format openai")
+	h, err := parseBlock(freeTier + "redis {\n\tpool_size 0\n\tbreaker_failures 0\n}\ncost estimate {\n\ttokenizer o200k_base\n\tread_timeout 2s\n}\nsettle {\n\tinclude_usage\n\tkeep_failed\n\theader X-Used\n}\nerror_format openai")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -87,7 +87,7 @@ func TestConfigAcceptedAlike(t *testing.T) {
 		S *Settle
 		F string
 	}{h.Redis, h.Estimate, h.Settle, h.ErrorFormat})
-	const want = `{"R":{},"E":{"tokenizer":"o200k_base","read_timeout":2000000000},"S":{"header":"X-Used","include_usage":true},"F":"openai"}`
+	const want = `{"R":{},"E":{"tokenizer":"o200k_base","read_timeout":2000000000},"S":{"header":"X-Used","include_usage":true,"keep_failed":true},"F":"openai"}`
 	if string(got) != want {
 		t.Errorf("parsed %s\nwant %s", got, want)
 	}

@@ -1431,8 +1431,10 @@ func TestCompletesAndUploads(t *testing.T) {
 }
 
 // TestFailuresThatMayHaveRunKeepTheEstimate: an answer that says the
-// model did not run (a 503 with OpenAI's error object) gives the estimate
-// back; a failure that may have come after the model ran keeps it:
+// model did not run (a 503 with OpenAI's error object, a 429 in any shape,
+// here Azure API Management's) gives the estimate back, unless settle {
+// keep_failed } says to keep it; a failure that may have come after the
+// model ran keeps it:
 // reverse_proxy's 502 (it cannot tell whether an earlier try of lb_retries
 // reached the model) and 504 (an upstream that took the request and did
 // not answer in time), and the errors a proxy between the gateway and the
@@ -1444,7 +1446,11 @@ func TestFailuresThatMayHaveRunKeepTheEstimate(t *testing.T) {
 		switch r.URL.Path {
 		case "/proxy504/v1/chat/completions":
 			http.Error(w, "upstream request timeout", http.StatusGatewayTimeout)
-		case "/503/v1/chat/completions":
+		case "/apim429/v1/chat/completions":
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusTooManyRequests)
+			_, _ = io.WriteString(w, `{"statusCode":429,"message":"Rate limit is exceeded. Try again in 6 seconds."}`)
+		case "/503/v1/chat/completions", "/keep/503/v1/chat/completions":
 			w.Header().Set("Content-Type", "application/json")
 			w.WriteHeader(http.StatusServiceUnavailable)
 			_, _ = io.WriteString(w, `{"error":{"message":"The engine is currently overloaded, please try again later","type":"server_error","param":null,"code":null}}`)
@@ -1472,6 +1478,10 @@ func TestFailuresThatMayHaveRunKeepTheEstimate(t *testing.T) {
 		`+limiter+`
 		reverse_proxy `+dead+`
 	}
+	handle /keep/* {
+		`+llmLimiter("user 100000 1/1h tokens", "cost estimate\n\t\t\tsettle {\n\t\t\t\tkeep_failed\n\t\t\t}")+`
+		reverse_proxy `+strings.TrimPrefix(silent.URL, "http://")+`
+	}
 	handle {
 		`+limiter+`
 		reverse_proxy `+strings.TrimPrefix(silent.URL, "http://")+` {
@@ -1495,6 +1505,8 @@ func TestFailuresThatMayHaveRunKeepTheEstimate(t *testing.T) {
 		{"envoy503/v1/chat/completions", http.StatusServiceUnavailable, true},
 		{"html500/v1/chat/completions", http.StatusInternalServerError, true},
 		{"503/v1/chat/completions", http.StatusServiceUnavailable, false},
+		{"apim429/v1/chat/completions", http.StatusTooManyRequests, false},
+		{"keep/503/v1/chat/completions", http.StatusServiceUnavailable, true},
 	} {
 		user := strings.ReplaceAll(tc.path, "/", "-")
 		r := g.send(http.MethodPost, tc.path, strings.NewReader(body), "X-User", user, "Content-Type", "application/json")

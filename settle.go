@@ -54,6 +54,13 @@ type Settle struct {
 	// Without it such a stream reports no usage and settles at the
 	// estimate. Needs estimate, which reads the body.
 	IncludeUsage bool `json:"include_usage,omitempty"`
+	// KeepFailed keeps the estimate of every error answer without usage,
+	// for an upstream that may answer an error after the model ran in the
+	// providers' own error shape (LiteLLM's proxy answers its output
+	// guardrails' 400, after generating, and its failures in OpenAI's
+	// shape). Without it, an error that says the model did not run gives
+	// the estimate back (see usageRecorder.notRun).
+	KeepFailed bool `json:"keep_failed,omitempty"`
 }
 
 // usageRecorder passes a response through to the client and, with read,
@@ -110,23 +117,27 @@ func (rec *usageRecorder) Write(p []byte) (int, error) {
 	return rec.ResponseWriter.Write(p)
 }
 
-// notRun reports whether the request reached no model: the upstream
-// answered an error status with the provider's own error object (see
-// llm.UsageReader.ErrorObject), which says it did not run it. OpenAI and
-// Anthropic bill no request that fails (a 400, a 429, Anthropic's 529
-// overloaded_error), and the SDKs retry 409, 429 and 5xx twice by
-// default, so an estimate kept for each would charge one failed call three
-// times. A proxy between the gateway and the model may answer an error
-// after the model ran (and was billed): its own page (nginx's HTML 502,
-// Envoy's plain-text 503 "upstream connect error or disconnect/reset",
-// Cloudflare's 52x) is not the provider's error object, and a timeout
-// (408, 504, 522, 524) or 502 is not one even in JSON (LiteLLM answers its
-// timeouts in OpenAI's shape). Nor is a reverse_proxy failure, which
-// writes no status here (it cannot tell whether an earlier try of
-// lb_retries reached the model), nor an answer whose body was not read
-// (settle header).
+// notRun reports whether the request reached no model: the answer is a
+// 429 (too many requests: refused before it ran, by the provider or a
+// proxy before it, as Azure API Management's) or Anthropic's 529
+// overloaded_error, whatever their body; or another error status with the
+// provider's own error object (see llm.UsageReader.ErrorObject), which
+// says it did not run it. OpenAI and Anthropic bill no request that fails,
+// and the SDKs retry 409, 429 and 5xx twice by default, so an estimate kept
+// for each would charge one failed call three times. A proxy between the
+// gateway and the model may answer an error after the model ran (and was
+// billed): its own page (nginx's HTML 502, Envoy's plain-text 503
+// "upstream connect error or disconnect/reset", Cloudflare's 52x) is not
+// the provider's error object, and a timeout (408, 504, 522, 524) or 502
+// is not one even in JSON; a proxy that answers such errors in the
+// providers' shape needs settle { keep_failed }. Nor is a reverse_proxy
+// failure, which writes no status here (it cannot tell whether an earlier
+// try of lb_retries reached the model), nor an answer whose body was not
+// read (settle header).
 func (rec *usageRecorder) notRun() bool {
 	switch rec.code {
+	case http.StatusTooManyRequests, 529:
+		return true
 	case http.StatusRequestTimeout, http.StatusBadGateway, http.StatusGatewayTimeout, 522, 524:
 		return false
 	}
@@ -205,7 +216,7 @@ func (h *Handler) serveNext(x *exchange, v *verdict, next caddyhttp.Handler) err
 // settled at 0 tokens: its estimate is given back.
 func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, v *verdict, rec *usageRecorder) {
 	used, status, partial := rec.finish(h.Settle)
-	if status != llm.Found && rec.notRun() {
+	if status != llm.Found && !h.Settle.KeepFailed && rec.notRun() {
 		used, status, partial = 0, llm.Found, false
 	}
 	if status != llm.Found {
