@@ -1466,11 +1466,18 @@ func TestWaitClientWithBodyLeaves(t *testing.T) {
 	}
 }
 
-// sendPartialPost opens a connection to g and sends a POST for user, held
-// by on_limit wait, with 10 of the 100 bytes of body its Content-Length
-// promises; the connection is closed at the end of the test.
-func sendPartialPost(t *testing.T, g *e2eGateway, user string) net.Conn {
+// heldPartialPost empties user's one-token bucket (spec) with a GET, then
+// opens a connection to g and sends a POST for user with 10 of the 100
+// bytes of body its Content-Length promises, and waits until on_limit wait
+// holds it with a reservation of at least minMS. It returns the connection
+// (closed at the end of the test) and the bucket's value after the charge.
+func heldPartialPost(t *testing.T, g *e2eGateway, spec bucket.Spec, user string, minMS int64) (net.Conn, string) {
 	t.Helper()
+	key := bucket.NewKeyer("rl:", "").Key("user", user, "")
+	if r := g.get("X-User", user); r.status != http.StatusOK {
+		t.Fatalf("%s's first request: %d", user, r.status)
+	}
+	before := g.value(key)
 	conn, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", g.port))
 	if err != nil {
 		t.Fatal(err)
@@ -1480,7 +1487,18 @@ func sendPartialPost(t *testing.T, g *e2eGateway, user string) net.Conn {
 		"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":"); err != nil {
 		t.Fatal(err)
 	}
-	return conn
+	var held string
+	redistest.WaitFor(t, 30*time.Second, user+"'s POST to be held", func() error {
+		held = g.value(key)
+		if held == before {
+			return errors.New("not charged yet")
+		}
+		if st, err := bucket.DecodeState(held); err != nil || waitE2EHeldMS(spec, st) < minMS {
+			return fmt.Errorf("bucket %x: not a reservation of %d ms or more (%v)", held, minMS, err)
+		}
+		return nil
+	})
+	return conn, held
 }
 
 // TestWaitSlowBodyKeepsNoPlace: max_waiting 1, "user 1 1/s", max_wait 2s.
@@ -1493,22 +1511,7 @@ func TestWaitSlowBodyKeepsNoPlace(t *testing.T) {
 	up := startWaitE2EUpstream(t)
 	g := startGateway(t, waitE2ESite(up.addr, "user 1 1/s", "on_limit wait 2s\n\t\tmax_waiting 1"))
 	spec := llmSpec(t, 1, "1/s")
-	slowKey := bucket.NewKeyer("rl:", "").Key("user", "slow", "")
-	if r := g.get("X-User", "slow"); r.status != http.StatusOK {
-		t.Fatalf("the slow client's first request: %d", r.status)
-	}
-	before := g.value(slowKey)
-	sendPartialPost(t, g, "slow")
-	redistest.WaitFor(t, 30*time.Second, "the slow request to be held", func() error {
-		v := g.value(slowKey)
-		if v == before {
-			return errors.New("not charged yet")
-		}
-		if st, err := bucket.DecodeState(v); err != nil || waitE2EHeldMS(spec, st) == 0 {
-			return fmt.Errorf("bucket %x: not a reservation (%v)", v, err)
-		}
-		return nil
-	})
+	heldPartialPost(t, g, spec, "slow", 1)
 	// The other client empties its bucket after the slow request's
 	// reservation, so it needs a hold until after that one ends.
 	if r := g.get("X-User", "other"); r.status != http.StatusOK {
@@ -1540,22 +1543,7 @@ func TestWaitClientLeavesMidBody(t *testing.T) {
 	g := startGateway(t, waitE2ESite(up.addr, "user 1 1/5s", "on_limit wait 10s"))
 	spec := llmSpec(t, 1, "1/5s")
 	key := bucket.NewKeyer("rl:", "").Key("user", "halfway", "")
-	if r := g.get("X-User", "halfway"); r.status != http.StatusOK {
-		t.Fatalf("first request: %d", r.status)
-	}
-	before := g.value(key)
-	conn := sendPartialPost(t, g, "halfway")
-	var held string
-	redistest.WaitFor(t, 30*time.Second, "the request to be held", func() error {
-		held = g.value(key)
-		if held == before {
-			return errors.New("not charged yet")
-		}
-		if st, err := bucket.DecodeState(held); err != nil || waitE2EHeldMS(spec, st) < 3000 {
-			return fmt.Errorf("bucket %x: not a reservation of seconds (%v)", held, err)
-		}
-		return nil
-	})
+	conn, held := heldPartialPost(t, g, spec, "halfway", 3000)
 	conn.Close()
 	// Given back: the bucket is no longer below zero, seconds before the
 	// hold would end.
