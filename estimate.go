@@ -205,13 +205,19 @@ func noContent(r *http.Request) bool {
 // embeddings (OpenAI's /embeddings, Ollama's /api/embed) nor moderations,
 // whose answers carry no completion. A trailing slash is ignored.
 func completes(path string) bool {
+	return !endsIn(path, "/embeddings", "/embed", "/moderations")
+}
+
+// endsIn reports whether path, less a trailing slash, ends in one of
+// suffixes.
+func endsIn(path string, suffixes ...string) bool {
 	path = strings.TrimRight(path, "/")
-	for _, s := range [...]string{"/embeddings", "/embed", "/moderations"} {
+	for _, s := range suffixes {
 		if strings.HasSuffix(path, s) {
-			return false
+			return true
 		}
 	}
-	return true
+	return false
 }
 
 // countsTokens reports whether a request to path counts its prompt's
@@ -237,13 +243,7 @@ func countsTokens(path string) bool {
 // request, as Starlette reads a UTF-16 JSON body whatever its label) is an
 // invalid body, not a free one.
 func uploads(path string) bool {
-	path = strings.TrimRight(path, "/")
-	for _, s := range [...]string{"/audio/transcriptions", "/audio/translations", "/files", "/images/edits", "/images/variations", "/parts"} {
-		if strings.HasSuffix(path, s) {
-			return true
-		}
-	}
-	return false
+	return endsIn(path, "/audio/transcriptions", "/audio/translations", "/files", "/images/edits", "/images/variations", "/parts")
 }
 
 // formBody reports whether r's body, of which prefix was read (nil when
