@@ -274,8 +274,8 @@ func FuzzSettle(f *testing.F) {
 			t.Fatalf("usage %d out of 0..2^53-1", used)
 		}
 		req := &request{keys: []string{"k"}, limits: limits, takes: []bucket.Take{{Spec: limits[0].spec, Cost: cost}}}
-		_, adj := req.adjustments(&bucket.Decision{Allowed: true, Deciding: -1, Buckets: make([]bucket.Result, 1)}, used, partial, false)
-		for _, a := range adj {
+		st := req.adjustments(&bucket.Decision{Allowed: true, Deciding: -1, Buckets: make([]bucket.Result, 1)}, used, partial, false)
+		for _, a := range st.adj {
 			if a.Delta < -cost {
 				t.Fatalf("used %d of %d charged: gives back %d", used, cost, -a.Delta)
 			}

@@ -7,7 +7,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"slices"
 	"syscall"
 	"time"
 
@@ -46,11 +45,16 @@ type collectors struct {
 	// denials counts denied requests by tier and the dimension whose
 	// bucket decided the denial.
 	denials *prometheus.CounterVec
-	// charged counts tokens charged on allowed requests by tier, dimension
-	// and unit (requests, tokens or concurrent; a calendar quota's as
-	// requests-per-day, tokens-per-month, ...): once per request and
-	// series, however many of its limits (model-scoped, shadow) share it.
-	charged *prometheus.CounterVec
+	// charged counts tokens charged by tier, dimension and unit (requests,
+	// tokens or concurrent; a calendar quota's as requests-per-day,
+	// tokens-per-month, ...): on allowed requests, and by settlements
+	// whose usage was above the estimate. refunded counts tokens given
+	// back: by settlements whose usage was below the charge (a call the
+	// provider refused: all of it), and to a request held by on_limit
+	// wait whose client left. charged − refunded is what the buckets
+	// lost. Each counts once per request and series, however many of its
+	// limits (model-scoped, shadow) share it (see request.leads).
+	charged, refunded *prometheus.CounterVec
 	// local counts the decisions made without Redis by on_redis_error:
 	// allowed (local store, or policy allow), denied (local store) or
 	// unavailable (policy deny, or the local store failed).
@@ -80,8 +84,10 @@ type collectors struct {
 	// usage in the response: the estimate stands), invalid (usage with a
 	// negative, fractional or overflowing number), unreadable (an unknown
 	// or corrupt Content-Encoding, or a compressed body that decodes past
-	// llm.MaxDecodedBody and llm.MaxDecodeRatio), failed (the Redis call
-	// failed).
+	// llm.MaxDecodedBody and llm.MaxDecodeRatio), failed (every Redis call
+	// failed before it was sent: the estimate stands), unknown (the calls
+	// failed, and one of them may have run in Redis, its reply lost: the
+	// usage may have been applied).
 	settlements *prometheus.CounterVec
 
 	localChildren  [numOutcomes]prometheus.Counter
@@ -132,7 +138,10 @@ func newCollectors() *collectors {
 			"Requests denied by token_bucket, by tier and the dimension whose bucket denied.",
 			"tier", "dimension"),
 		charged: counter("tokens_charged_total",
-			"Tokens charged on allowed requests, by tier, dimension and unit (requests, tokens, concurrent, or a quota's: requests-per-day, tokens-per-month, ...); once per request and series, however many limits (model-scoped, shadow) share it.",
+			"Tokens charged, by tier, dimension and unit (requests, tokens, concurrent, or a quota's: requests-per-day, tokens-per-month, ...): on allowed requests, and by settlements whose usage was above the estimate; once per request and series, however many limits (model-scoped, shadow) share it.",
+			"tier", "dimension", "unit"),
+		refunded: counter("tokens_refunded_total",
+			"Tokens given back, by tier, dimension and unit: by settlements whose usage was below the charge, and to held requests whose client left; tokens_charged_total minus this is what the buckets lost.",
 			"tier", "dimension", "unit"),
 		local: counter("local_decisions_total",
 			"Requests decided without Redis by on_redis_error, by outcome (allowed, denied, unavailable).",
@@ -159,7 +168,7 @@ func newCollectors() *collectors {
 		waiting: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Subsystem: sub, Name: "waiting",
 			Help: "Requests held on a reservation by on_limit wait in this process, every handler together (each bounded by its max_waiting)."}),
 		settlements: counter("settlements_total",
-			"Settlements of LLM token usage after the response, by outcome (settled, not_reported, invalid, unreadable, failed).",
+			"Settlements of LLM token usage after the response, by outcome (settled, not_reported, invalid, unreadable, failed, unknown).",
 			"outcome"),
 		errorChildren: make(map[string]prometheus.Counter),
 	}
@@ -167,7 +176,7 @@ func newCollectors() *collectors {
 		m.localChildren[o] = m.local.WithLabelValues(outcomeNames[o])
 	}
 	m.settleChildren = make(map[string]prometheus.Counter)
-	for _, o := range []string{settledOutcome, settleFailedOutcome, llm.NotReported.String(), llm.Invalid.String(), llm.Unreadable.String()} {
+	for _, o := range []string{settledOutcome, settleFailedOutcome, settleUnknownOutcome, llm.NotReported.String(), llm.Invalid.String(), llm.Unreadable.String()} {
 		m.settleChildren[o] = m.settlements.WithLabelValues(o)
 	}
 	for _, kind := range []string{errTimeout, errConnection, errBreakerOpen, errCanceled, errOther} {
@@ -186,7 +195,7 @@ func (m *collectors) register(reg *prometheus.Registry) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{m.decisions, m.denials, m.charged, m.local,
+	for _, c := range []prometheus.Collector{m.decisions, m.denials, m.charged, m.refunded, m.local,
 		m.redisDuration, m.redisErrors, m.breakerTransitions, m.breakerOpen, m.settlements, m.shadowDenials, m.concurrent, m.waiting} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
@@ -227,12 +236,13 @@ func observeRedisCall(start time.Time) {
 
 // Outcomes of settlements_total besides llm.Status names.
 const (
-	settledOutcome      = "settled"
-	settleFailedOutcome = "failed"
+	settledOutcome       = "settled"
+	settleFailedOutcome  = "failed"
+	settleUnknownOutcome = "unknown"
 )
 
-// countSettlement counts a settlement by outcome: settled, failed, or the
-// llm.Status of a response whose usage could not be used.
+// countSettlement counts a settlement by outcome: settled, failed,
+// unknown, or the llm.Status of a response whose usage could not be used.
 func countSettlement(outcome string) {
 	tbMetrics.settleChildren[outcome].Inc()
 }
@@ -284,9 +294,10 @@ type handlerMetrics struct {
 }
 
 type limitMetrics struct {
-	denials prometheus.Counter // or, for a shadow limit, shadow_denials_total
-	charged prometheus.Counter
-	inUse   prometheus.Gauge // concurrency limits only
+	denials  prometheus.Counter // or, for a shadow limit, shadow_denials_total
+	charged  prometheus.Counter
+	refunded prometheus.Counter
+	inUse    prometheus.Gauge // concurrency limits only
 }
 
 // limit returns l's metric children; none (nil fields) when m is nil.
@@ -320,8 +331,9 @@ func (h *Handler) provisionObservability(ctx caddy.Context) error {
 				unit += "-per-" + l.period.String() // a quota's charges apart from its unit's bucket
 			}
 			lm := limitMetrics{
-				denials: tbMetrics.denials.WithLabelValues(t.name, l.dimension),
-				charged: tbMetrics.charged.WithLabelValues(t.name, l.dimension, unit),
+				denials:  tbMetrics.denials.WithLabelValues(t.name, l.dimension),
+				charged:  tbMetrics.charged.WithLabelValues(t.name, l.dimension, unit),
+				refunded: tbMetrics.refunded.WithLabelValues(t.name, l.dimension, unit),
 			}
 			if l.shadow {
 				lm.denials = tbMetrics.shadowDenials.WithLabelValues(t.name, l.dimension)
@@ -337,16 +349,51 @@ func (h *Handler) provisionObservability(ctx caddy.Context) error {
 	return nil
 }
 
-// chargedBefore reports whether a limit of req before i, allowed by d, is
-// counted in series: observe's check for a request of more series than it
-// keeps on the stack.
-func (m *handlerMetrics) chargedBefore(req *request, d *bucket.Decision, i int, series prometheus.Counter) bool {
-	for j := range i {
-		if m.limits[req.limits[j]].charged == series && req.takes[j].Cost > 0 && d.Buckets[j].Reason == bucket.Allowed {
-			return true
+// charges counts what d, which allowed req, charged its limits (local:
+// in the local store): in tokens_charged_total, or with refund, given
+// back in full, in tokens_refunded_total. Each series counts the charge of
+// the limit that leads it (see request.leads), so that it is what was
+// admitted.
+func (m *handlerMetrics) charges(req *request, d *bucket.Decision, local, refund bool) {
+	if m == nil {
+		return
+	}
+	for i, l := range req.limits {
+		c := req.charged(i, local)
+		if c <= 0 || d.Buckets[i].Reason != bucket.Allowed || !req.leads(d, i, local) {
+			continue
+		}
+		lm := m.limits[l]
+		counter := lm.charged
+		if refund {
+			counter = lm.refunded
+		}
+		if counter != nil {
+			counter.Add(float64(c))
 		}
 	}
-	return false
+}
+
+// settledTokens counts a settlement of req that landed: adj[k] adjusted
+// limit at[k], and the limits that lead their series count the usage
+// above their charge in tokens_charged_total, below it in
+// tokens_refunded_total.
+func (m *handlerMetrics) settledTokens(req *request, d *bucket.Decision, at []int, adj []bucket.Adjust, local bool) {
+	if m == nil {
+		return
+	}
+	for k, i := range at {
+		if !req.leads(d, i, local) {
+			continue
+		}
+		lm := m.limits[req.limits[i]]
+		switch delta := adj[k].Delta; {
+		case delta > 0 && lm.charged != nil:
+			lm.charged.Add(float64(delta))
+		case delta < 0 && lm.refunded != nil:
+			lm.refunded.Add(float64(-delta))
+		}
+	}
 }
 
 // count counts a request's outcome; local marks a decision made by
@@ -383,26 +430,7 @@ func (h *Handler) observe(r *http.Request, t *tier, req *request, d *bucket.Deci
 	}
 	if d.Allowed {
 		m.count(t, outcomeAllowed, local)
-		// The limits of one dimension and unit (a model-scoped or shadow
-		// limit beside another) share a series and charge the same cost:
-		// it is counted once, so that the series is what was admitted.
-		var counted [8]prometheus.Counter
-		n := 0
-		for i, l := range req.limits {
-			c, lm := req.takes[i].Cost, m.limits[l]
-			if local {
-				c = req.localCost(i) // what the local store charged
-			}
-			if c <= 0 || lm.charged == nil || d.Buckets[i].Reason != bucket.Allowed || slices.Contains(counted[:n], lm.charged) {
-				continue
-			}
-			if n < len(counted) {
-				counted[n], n = lm.charged, n+1
-			} else if m.chargedBefore(req, d, i, lm.charged) {
-				continue
-			}
-			lm.charged.Add(float64(c))
-		}
+		m.charges(req, d, local, false)
 		return
 	}
 	m.count(t, outcomeDenied, local)

@@ -2,6 +2,7 @@ package tokenbucket
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -29,6 +30,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/token-bucket/token_bucket/bucket"
+	"github.com/token-bucket/token_bucket/internal/providertest"
 	"github.com/token-bucket/token_bucket/internal/redistest"
 )
 
@@ -734,10 +736,9 @@ func TestDashboardQueriesExistingMetrics(t *testing.T) {
 	}
 }
 
-// TestChargedOncePerSeries: a request of 11 limits on 10 series (more than
-// observe keeps on the stack), the 11th sharing the 10th's series, as a
-// model-scoped limit beside an unscoped one does: each series grows by the
-// request's cost once.
+// TestChargedOncePerSeries: a request of 11 limits on 10 series, the 11th
+// sharing the 10th's series, as a model-scoped limit beside an unscoped
+// one does: each series grows by the request's cost once.
 func TestChargedOncePerSeries(t *testing.T) {
 	m := &handlerMetrics{limits: map[*limit]limitMetrics{}}
 	series := make([]prometheus.Counter, 10)
@@ -747,8 +748,8 @@ func TestChargedOncePerSeries(t *testing.T) {
 		if i < len(series) {
 			series[i] = prometheus.NewCounter(prometheus.CounterOpts{Name: "charged_" + strconv.Itoa(i)})
 		}
-		l := &limit{}
-		m.limits[l] = limitMetrics{charged: series[min(i, len(series)-1)]}
+		l := &limit{series: min(i, len(series)-1)}
+		m.limits[l] = limitMetrics{charged: series[l.series]}
 		req.limits = append(req.limits, l)
 		req.takes = append(req.takes, bucket.Take{Cost: 7})
 		results = append(results, bucket.Result{Reason: bucket.Allowed})
@@ -760,5 +761,64 @@ func TestChargedOncePerSeries(t *testing.T) {
 		if got := testutil.ToFloat64(c); got != 7 {
 			t.Errorf("series %d: %v, want 7", i, got)
 		}
+	}
+}
+
+// TestTokensMetricsFollowTheBuckets: tokens_charged_total less
+// tokens_refunded_total is what the buckets in Redis lost, on every way a
+// settlement ends: usage below and above the estimate, a call the provider
+// refused (its estimate given back), a failure that may have run (kept)
+// and an answer without usage (kept). A shadow limit of capacity 100,
+// whose charge of a 500-token estimate is capped at 100, shares the
+// enforced limit's series: the series counts the enforced charge.
+func TestTokensMetricsFollowTheBuckets(t *testing.T) {
+	tier := uniqueTier("settled")
+	lg := startLLMGateway(t, strings.Replace(llmLimiter("user 100 1/1h tokens shadow\n\t\t\t\tuser 10000 1/1h tokens", "cost estimate\n\t\t\tsettle"),
+		"tier free", "tier "+tier, 1))
+	lg.up.SetReply(func(r *providertest.Request) providertest.Reply {
+		rep := llmTestReply(r)
+		rep.Status, _ = strconv.Atoi(r.Header.Get("X-Test-Status"))
+		return rep
+	})
+	charged := series("caddy_token_bucket_tokens_charged_total", "tier", tier, "dimension", "user", "unit", "tokens")
+	refunded := series("caddy_token_bucket_tokens_refunded_total", "tier", tier, "dimension", "user", "unit", "tokens")
+	outcome := func(o string) string { return series("caddy_token_bucket_settlements_total", "outcome", o) }
+	for _, tc := range []struct {
+		name, usage, status string
+		charged, refunded   float64
+		outcome             string
+		lost                int64 // what the enforced bucket lost
+	}{
+		{"below", "100,220", "", 500, 180, "settled", 320},
+		{"above", "400,500", "", 900, 0, "settled", 900},
+		{"refused_429", "", "429", 500, 500, "settled", 0},
+		{"error_object_500", "", "500", 500, 500, "settled", 0},
+		{"may_have_run_502", "", "502", 500, 0, "not_reported", 500},
+		{"no_usage", "", "", 500, 0, "not_reported", 500},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			lg.t = t
+			user := "metrics-" + tc.name
+			before := scrape(t)
+			r := lg.post("/v1/chat/completions", chat500, "X-User", user, "X-Test-Usage", tc.usage, "X-Test-Status", tc.status)
+			if want := cmp.Or(tc.status, "200"); strconv.Itoa(r.status) != want {
+				t.Fatalf("status %d, want %s: %s", r.status, want, r.body)
+			}
+			lg.sync()
+			after := scrape(t)
+			for _, c := range []check{{charged, tc.charged}, {refunded, tc.refunded}, {outcome(tc.outcome), 1}} {
+				if got := after[c.series] - before[c.series]; got != c.value {
+					t.Errorf("%s grew by %v, want %v", c.series, got, c.value)
+				}
+			}
+			st, ok := lg.state(bucket.NewKeyer("rl:", "").Key("user", user, "tokens"))
+			lost := int64(0)
+			if ok {
+				lost = 10000 - wholeTokens(st)
+			}
+			if lost != tc.lost || float64(lost) != tc.charged-tc.refunded {
+				t.Errorf("the bucket lost %d tokens, want %d = charged %v - refunded %v", lost, tc.lost, tc.charged, tc.refunded)
+			}
+		})
 	}
 }

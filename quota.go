@@ -108,7 +108,9 @@ func (h *Handler) await(x *exchange, v *verdict) bool {
 		return true
 	case <-x.r.Context().Done():
 	}
-	h.giveBack(x, v.req, &v.d)
+	if h.giveBack(x, v.req, &v.d) {
+		h.metrics.charges(v.req, &v.d, false, true) // recorded as charged when it was decided
+	}
 	return false
 }
 
@@ -193,8 +195,9 @@ func (b *heldBody) Read(p []byte) (int, error) {
 func (b *heldBody) Close() error { return b.src.Close() }
 
 // giveBack refunds what an allowed decision d charged req, for a client
-// that went away before it was served: each bucket's cost, each slot.
-func (h *Handler) giveBack(x *exchange, req *request, d *bucket.Decision) {
+// that went away before it was served: each bucket's cost, each slot. It
+// reports whether the refund was made.
+func (h *Handler) giveBack(x *exchange, req *request, d *bucket.Decision) bool {
 	var keys []string
 	var takes []bucket.Take
 	for i, r := range d.Buckets {
@@ -205,7 +208,9 @@ func (h *Handler) giveBack(x *exchange, req *request, d *bucket.Decision) {
 	// The client is gone: the refund is the gateway's own call.
 	if err := h.conn.refund(context.WithoutCancel(x.r.Context()), keys, takes); err != nil {
 		h.logger.Warn("giving back what a client that left was charged failed; it stays charged", zap.Error(err))
+		return false
 	}
+	return true
 }
 
 // unwait gives back a place among the requests held by on_limit wait.

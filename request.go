@@ -88,6 +88,34 @@ func (r *request) localCost(i int) int64 {
 	return c
 }
 
+// charged is what take i charged its bucket when d allowed it: its cost,
+// or with local its cost in the local store (on_redis_error local).
+func (r *request) charged(i int, local bool) int64 {
+	if local {
+		return r.localCost(i)
+	}
+	return r.takes[i].Cost
+}
+
+// leads reports whether limit i, allowed by d, is the one whose charges
+// its metric series counts: of the allowed limits that share the series
+// (one dimension, unit and quota period: a model-scoped or shadow limit
+// beside another), the one charged most, the first of them on a tie. A
+// shadow limit's charge is capped at its own capacity, so the series
+// counts what the enforced limits charged, once per request.
+func (r *request) leads(d *bucket.Decision, i int, local bool) bool {
+	s, c := r.limits[i].series, r.charged(i, local)
+	for j, l := range r.limits {
+		if j == i || l.series != s || d.Buckets[j].Reason != bucket.Allowed {
+			continue
+		}
+		if cj := r.charged(j, local); cj > c || cj == c && j < i {
+			return false
+		}
+	}
+	return true
+}
+
 // inputs are what a request's buckets are built from, each resolved at
 // most once per request however many tiers the request is built for (its
 // own, and a demotion's penalty tier): the identity of each dimension and

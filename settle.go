@@ -2,11 +2,13 @@ package tokenbucket
 
 import (
 	"context"
+	"errors"
 	"net/http"
 	"strings"
 	"sync/atomic"
 	"time"
 
+	"github.com/sony/gobreaker/v2"
 	"go.uber.org/zap"
 
 	"github.com/caddyserver/caddy/v2"
@@ -227,25 +229,45 @@ func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, v *verdict, rec 
 		}
 		return // no usage to settle with: the estimate stands
 	}
-	keys, adj := v.req.adjustments(&v.d, used, partial, v.local)
+	st := v.req.adjustments(&v.d, used, partial, v.local)
+	st.v = v
 	repl.Set("http.token_bucket.tokens_used", used)
-	if len(keys) == 0 {
+	if len(st.keys) == 0 {
 		countSettlement(settledOutcome)
 		return
 	}
 	if v.local {
-		h.local.Settle(keys, adj)
-		countSettlement(settledOutcome)
+		h.local.Settle(st.keys, st.adj)
+		h.settled(st, nil, false)
 		return
 	}
-	id, _ := repl.GetString("http.request.uuid")
+	st.id, _ = repl.GetString("http.request.uuid")
 	// The client may be gone: the settlement is the gateway's own call.
 	sent := time.Now()
-	err := h.conn.settle(context.WithoutCancel(r.Context()), id, keys, adj)
-	if err != nil && h.retrySettle(sent, id, keys, adj, used, err) {
+	err := h.conn.settle(context.WithoutCancel(r.Context()), st.id, st.keys, st.adj)
+	mayHaveRun := err != nil && !neverSent(err)
+	if err != nil && h.retrySettle(sent, st, mayHaveRun, err) {
 		return
 	}
-	h.settled(keys, adj, used, err)
+	h.settled(st, err, mayHaveRun)
+}
+
+// settlement is the settlement of a request: for each bucket whose
+// charge differs from the usage, its key, the difference, and the index
+// of its limit in the request (for the metrics).
+type settlement struct {
+	v    *verdict
+	id   string // the request's id, settle.lua's marker
+	keys []string
+	adj  []bucket.Adjust
+	at   []int
+	used int64 // the tokens the response reports
+}
+
+// neverSent reports whether err proves that a call never reached Redis:
+// the breaker refused it, or no connection was made (see unsent).
+func neverSent(err error) bool {
+	return errors.Is(err, gobreaker.ErrOpenState) || errors.Is(err, gobreaker.ErrTooManyRequests) || unsent(err)
 }
 
 // settleRetryWaits are the waits before each retry of a settlement whose
@@ -278,12 +300,12 @@ var settleRetrying atomic.Int64
 // settlement whose first call, sent at sent, failed with err, and reports
 // whether it does. It holds the Redis client meanwhile (a reload closes it
 // after its last hold).
-func (h *Handler) retrySettle(sent time.Time, id string, keys []string, adj []bucket.Adjust, used int64, err error) bool {
+func (h *Handler) retrySettle(sent time.Time, st settlement, mayHaveRun bool, err error) bool {
 	if settleRetrying.Add(1) > maxSettleRetries || !h.conn.hold() {
 		settleRetrying.Add(-1)
 		return false
 	}
-	h.logger.Warn("settling llm token usage failed; retrying", zap.Int64("used", used), zap.Error(err))
+	h.logger.Warn("settling llm token usage failed; retrying", zap.Int64("used", st.used), zap.Error(err))
 	go func() {
 		defer settleRetrying.Add(-1)
 		defer h.conn.release()
@@ -294,28 +316,37 @@ func (h *Handler) retrySettle(sent time.Time, id string, keys []string, adj []bu
 			}
 			t := time.NewTimer(wait)
 			<-t.C
-			if err = h.conn.settle(context.Background(), id, keys, adj); err == nil {
+			if err = h.conn.settle(context.Background(), st.id, st.keys, st.adj); err == nil {
 				break
 			}
+			mayHaveRun = mayHaveRun || !neverSent(err)
 		}
-		h.settled(keys, adj, used, err)
+		h.settled(st, err, mayHaveRun)
 	}()
 	return true
 }
 
-// settled records the end of a settlement: failed with err (the estimate
-// stands), or done, after which a cached denial of a bucket given tokens
-// back no longer holds.
-func (h *Handler) settled(keys []string, adj []bucket.Adjust, used int64, err error) {
-	if err != nil {
+// settled records the end of a settlement: failed with err, the estimate
+// standing unless mayHaveRun (a call that failed may have run in Redis,
+// its reply lost), or done: counted in the metrics, after which a cached
+// denial of a bucket given tokens back no longer holds.
+func (h *Handler) settled(st settlement, err error, mayHaveRun bool) {
+	switch {
+	case err != nil && mayHaveRun:
+		countSettlement(settleUnknownOutcome)
+		h.logger.Warn("settling llm token usage failed; a call whose reply was lost may have applied it",
+			zap.Int64("used", st.used), zap.Error(err))
+		return
+	case err != nil:
 		countSettlement(settleFailedOutcome)
 		h.logger.Warn("settling llm token usage failed; the estimate stands",
-			zap.Int64("used", used), zap.Error(err))
+			zap.Int64("used", st.used), zap.Error(err))
 		return
 	}
 	countSettlement(settledOutcome)
-	if h.denials != nil && adj[0].Delta < 0 {
-		for _, k := range keys {
+	h.metrics.settledTokens(st.v.req, &st.v.d, st.at, st.adj, st.v.local)
+	if h.denials != nil && !st.v.local && st.adj[0].Delta < 0 {
+		for _, k := range st.keys {
 			h.denials.Forget(k) // tokens came back: let Redis decide again
 		}
 	}
@@ -328,16 +359,12 @@ func (h *Handler) settled(keys []string, adj []bucket.Adjust, used int64, err er
 // A shadow bucket that would have denied was not charged, and is not
 // settled. local gives the local store's specs (local_share), for a
 // request that on_redis_error local decided.
-func (req *request) adjustments(d *bucket.Decision, used int64, partial, local bool) (keys []string, adj []bucket.Adjust) {
+func (req *request) adjustments(d *bucket.Decision, used int64, partial, local bool) (st settlement) {
 	for i, l := range req.limits {
 		if !l.tokens || d.Buckets[i].Reason != bucket.Allowed {
 			continue
 		}
-		charged := req.takes[i].Cost
-		if local {
-			charged = req.localCost(i)
-		}
-		delta := used - charged
+		delta := used - req.charged(i, local)
 		if partial {
 			delta = max(delta, 0)
 		}
@@ -349,8 +376,9 @@ func (req *request) adjustments(d *bucket.Decision, used int64, partial, local b
 			if w := req.takes[i].Window; w != nil {
 				a.Window, a.WindowEnd = w.ChargedIn(req.decidedAt, d.Buckets[i].FullMS)
 			}
-			keys, adj = append(keys, req.keys[i]), append(adj, a)
+			st.keys, st.adj, st.at = append(st.keys, req.keys[i]), append(st.adj, a), append(st.at, i)
 		}
 	}
-	return keys, adj
+	st.used = used
+	return st
 }

@@ -6,13 +6,21 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/redis/go-redis/v9"
+	"github.com/sony/gobreaker/v2"
+	"go.uber.org/zap"
 
 	"github.com/token-bucket/token_bucket/bucket"
 	"github.com/token-bucket/token_bucket/internal/providertest"
@@ -325,5 +333,61 @@ func TestSettleRetryable(t *testing.T) {
 	}
 	if bucket.SettleTTL != time.Minute {
 		t.Errorf("SettleTTL %v: the cases above are for a minute", bucket.SettleTTL)
+	}
+}
+
+// TestSettlementFailureOutcome: a settlement whose calls all failed is
+// counted failed (the estimate stands) only when none of them can have
+// reached Redis: refused by the breaker, or no connection made. One that
+// timed out or lost its connection may have run, its reply lost, and is
+// counted unknown; a joined error is unsent only when each part is.
+func TestSettlementFailureOutcome(t *testing.T) {
+	dial := &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}
+	read := &net.OpError{Op: "read", Net: "tcp", Err: syscall.ECONNRESET}
+	for _, tc := range []struct {
+		name  string
+		err   error
+		never bool
+	}{
+		{"breaker open", gobreaker.ErrOpenState, true},
+		{"breaker half-open", gobreaker.ErrTooManyRequests, true},
+		{"dial", dial, true},
+		{"pool timeout", redis.ErrPoolTimeout, true},
+		{"client closed", redis.ErrClosed, true},
+		{"sentinels unreachable", errors.Join(dial, fmt.Errorf("sentinel: %w", dial)), true},
+		{"timeout", context.DeadlineExceeded, false},
+		{"connection reset", read, false},
+		{"eof", io.EOF, false},
+		{"dial and reset", errors.Join(dial, read), false},
+	} {
+		if got := neverSent(tc.err); got != tc.never {
+			t.Errorf("%s: neverSent %v, want %v", tc.name, got, tc.never)
+		}
+	}
+
+	h := &Handler{logger: zap.NewNop()}
+	st := settlement{v: &verdict{req: &request{}}, keys: []string{"k"}, adj: []bucket.Adjust{{Delta: -10}}, at: []int{0}, used: 5}
+	for _, tc := range []struct {
+		err        error
+		mayHaveRun bool
+		outcome    string
+	}{
+		{gobreaker.ErrOpenState, false, settleFailedOutcome},
+		{context.DeadlineExceeded, true, settleUnknownOutcome},
+	} {
+		before := map[string]float64{}
+		for o, c := range tbMetrics.settleChildren {
+			before[o] = testutil.ToFloat64(c)
+		}
+		h.settled(st, tc.err, tc.mayHaveRun)
+		for o, c := range tbMetrics.settleChildren {
+			want := 0.0
+			if o == tc.outcome {
+				want = 1
+			}
+			if got := testutil.ToFloat64(c) - before[o]; got != want {
+				t.Errorf("%v (may have run %v): settlements_total{outcome=%q} grew by %v, want %v", tc.err, tc.mayHaveRun, o, got, want)
+			}
+		}
 	}
 }

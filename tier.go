@@ -38,6 +38,10 @@ type limit struct {
 	name       string      // header item name: the dimension, "-tokens" or "-concurrent" appended, "@" and the globs for a scoped limit
 	policy     string      // the RateLimit-Policy item, e.g. "user";q=10;w=60; a quota's ends with "w=", its window's length is appended per request
 	dimValue   any         // dimension boxed once, for the dimension placeholder
+	// series numbers the metric series of its dimension, unit and quota
+	// period within its tier: a model-scoped or shadow limit shares one
+	// with the tier's other limits of that dimension and unit (see leads).
+	series int
 }
 
 // compileTiers turns validated tiers into their request-path form and
@@ -51,6 +55,7 @@ func compileTiers(dims []Dimension, tiers []Tier, defaultTier string, share floa
 	for _, t := range tiers {
 		ct := &tier{name: t.Name, nameValue: t.Name}
 		scopes := map[string]uint64{} // a bit per dimension and unit with scoped limits
+		series := map[string]int{}    // by dimension, unit and period
 		for _, l := range t.Limits {
 			spec, _ := l.spec() // validated
 			cl := limit{dim: index[l.Dimension], dimension: l.Dimension, dimValue: l.Dimension, spec: spec, name: l.Dimension,
@@ -67,6 +72,11 @@ func compileTiers(dims []Dimension, tiers []Tier, defaultTier string, share floa
 				cl.keyUnit = strings.TrimPrefix(cl.unit+":"+l.Period, ":")
 				cl.name += "-per-" + l.Period
 			}
+			s := l.Dimension + " " + l.unit() + " " + l.Period
+			if _, ok := series[s]; !ok {
+				series[s] = len(series)
+			}
+			cl.series = series[s]
 			if cl.shadow {
 				cl.keyUnit = strings.TrimPrefix(cl.keyUnit+":shadow", ":")
 			}

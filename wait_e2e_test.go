@@ -659,9 +659,11 @@ func leavingRequest(ctx context.Context, g *e2eGateway, method, path, body strin
 // if R1 had never come, though R2's reservation stands on top of it. R1
 // never reaches the upstream (R2, whose slot is after R1's, does), and the
 // refund happens once: after R2 is served, the two buckets still match.
+// The metrics count R1's token charged on the user bucket and given back.
 func TestWaitClientLeavesGetsReservationBack(t *testing.T) {
 	up := startWaitE2EUpstream(t)
-	g := startGateway(t, waitE2ESite(up.addr, "user 2 1/s\n\t\t\tctl 2 1/s", "on_limit wait 3s"))
+	tier := uniqueTier("leaver")
+	g := startGateway(t, strings.Replace(waitE2ESite(up.addr, "user 2 1/s\n\t\t\tctl 2 1/s", "on_limit wait 3s"), "tier free", "tier "+tier, 1))
 	spec := llmSpec(t, 2, "1/s")
 	keyer := bucket.NewKeyer("rl:", "")
 	userKey, ctlKey := keyer.Key("user", "leaver", ""), keyer.Key("ctl", "control", "")
@@ -771,6 +773,19 @@ func TestWaitClientLeavesGetsReservationBack(t *testing.T) {
 		t.Errorf("user bucket %+v after R2, want the refund's %+v unchanged", u, refunded)
 	}
 	same("after R2 was served", state(userKey), state(ctlKey))
+	tokens := func(metric, dim string) string {
+		return series("caddy_token_bucket_tokens_"+metric+"_total", "tier", tier, "dimension", dim, "unit", "requests")
+	}
+	// R1's handler counts the refund once Redis has answered it.
+	var m metricSet
+	redistest.WaitFor(t, time.Minute, "R1's refund in the metrics", func() error {
+		if m = scrape(t); m[tokens("refunded", "user")] == 0 {
+			return errors.New("not counted yet")
+		}
+		return nil
+	})
+	m.want(t, "after R2 was served", check{tokens("charged", "user"), 4}, check{tokens("refunded", "user"), 1},
+		check{tokens("charged", "ctl"), 3}, check{tokens("refunded", "ctl"), 0})
 	t.Logf("R1 held %d ms, R2 %d ms; refund %v after R2's charge; user bucket after it %+v, control %+v",
 		r1Wait, waitE2EHeldMS(spec, userAfterR2), time.Duration(refunded.Last-userAfterR2.Last)*time.Microsecond, refunded, ctlAfterR2)
 }
