@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 
@@ -21,12 +22,12 @@ import (
 // stream's last byte, the client gone, an upstream error, a panic in
 // next). A release that fails is tried again until their lease lapses.
 type slots struct {
-	h      *Handler
-	keys   []string
-	takes  []bucket.Take // with the local specs when local
-	limits []*limit
-	id     string // the lease id
-	local  bool   // taken from the in-process store (on_redis_error local)
+	h     *Handler
+	keys  []string
+	takes []bucket.Take      // with the local specs when local
+	inUse []prometheus.Gauge // the concurrent_requests series counting the request
+	id    string             // the lease id
+	local bool               // taken from the in-process store (on_redis_error local)
 
 	mu       sync.Mutex
 	timer    *time.Timer // the next renewal; nil when local
@@ -50,9 +51,11 @@ func (h *Handler) holdSlots(v *verdict) *slots {
 		if v.local {
 			t.Spec = l.local
 		}
-		s.keys, s.takes, s.limits, s.id = append(s.keys, req.keys[i]), append(s.takes, t), append(s.limits, l), t.LeaseID
-		if lm := h.metrics.limit(l); lm.inUse != nil {
+		s.keys, s.takes, s.id = append(s.keys, req.keys[i]), append(s.takes, t), t.LeaseID
+		// One request in each series, however many of its limits share it.
+		if lm := h.metrics.limit(l); lm.inUse != nil && req.leads(&v.d, i, v.local) {
 			lm.inUse.Inc()
+			s.inUse = append(s.inUse, lm.inUse)
 		}
 	}
 	if len(s.keys) == 0 {
@@ -169,10 +172,8 @@ func (s *slots) release() {
 	}
 	s.mu.Unlock()
 	h := s.h
-	for _, l := range s.limits {
-		if lm := h.metrics.limit(l); lm.inUse != nil {
-			lm.inUse.Dec()
-		}
+	for _, g := range s.inUse {
+		g.Dec()
 	}
 	if s.local {
 		h.local.Release(s.keys, s.takes)

@@ -1438,12 +1438,14 @@ func TestConcurrencyE2ELocalWhenRedisDown(t *testing.T) {
 }
 
 // TestConcurrencyE2EGauge: concurrent_requests{tier,dimension} counts the
-// slots held through this process: 0, then 1, 2, 3 as streams start (a
-// denied 4th adds nothing), 2 when one ends, 0 when all have, never below.
+// requests holding slots through this process: 0, then 1, 2, 3 as streams
+// start (a denied 4th adds nothing), 2 when one ends, 0 when all have,
+// never below. Each request holds a slot of a shadow limit on the same
+// dimension too, and counts once.
 func TestConcurrencyE2EGauge(t *testing.T) {
 	up := cceStartUpstream(t)
 	tier := uniqueTier("cce_gauge")
-	g := startGateway(t, cceSite(t, up.addr, cceLimiter(tier, "user 3 concurrent", ""), ""))
+	g := startGateway(t, cceSite(t, up.addr, cceLimiter(tier, "user 3 concurrent\n\t\t\tuser 10 concurrent shadow", ""), ""))
 	t.Cleanup(up.releaseAll)
 	client := cceClient(t)
 	url := g.url + "v1/stream"
