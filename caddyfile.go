@@ -606,7 +606,7 @@ func unmarshalLimit(d *caddyfile.Dispenser) (Limit, error) {
 		return l, nil
 	}
 	if len(args) < 2 || len(args) > 3 {
-		return l, argErr(d, "limit "+l.Dimension, args, "<capacity> <refill> [requests|tokens] or <n> concurrent, then [models <glob>...] [shadow]")
+		return l, argErr(d, "limit "+l.Dimension, args, "<capacity> <refill> [requests|tokens], <amount> per day|week|month [requests|tokens] or <n> concurrent, then [models <glob>...] [shadow]")
 	}
 	capacity, err := strconv.ParseInt(args[0], 10, 64)
 	if err != nil || capacityRule(capacity) != nil {
@@ -624,7 +624,7 @@ func unmarshalLimit(d *caddyfile.Dispenser) (Limit, error) {
 	l.Capacity, l.RefillRate = capacity, rate.Float64()
 	if len(args) == 3 {
 		if args[2] != UnitRequests && args[2] != UnitTokens {
-			return l, d.Errf("invalid unit %q for dimension %q: must be requests or tokens", args[2], l.Dimension)
+			return l, d.Errf("invalid unit %q for dimension %q: must be requests or tokens (a concurrency limit is <n> concurrent, without a refill)", args[2], l.Dimension)
 		}
 		if args[2] == UnitTokens {
 			l.Unit = UnitTokens

@@ -48,10 +48,11 @@ type Limit struct {
 	// Capacity is the most tokens the bucket holds: the largest burst.
 	// An integer > 0.
 	Capacity int64 `json:"capacity"`
-	// RefillRate is the refill in tokens per second, > 0 and finite. It is
-	// read as the simplest fraction that rounds to this number, so the
-	// Caddyfile's 10/1m (0.16666666666666666) is exactly 1/6 per second.
-	RefillRate float64 `json:"refill_rate"`
+	// RefillRate is the refill in tokens per second, > 0 and finite (0,
+	// left out, for a quota or a concurrency limit). It is read as the
+	// simplest fraction that rounds to this number, so the Caddyfile's
+	// 10/1m (0.16666666666666666) is exactly 1/6 per second.
+	RefillRate float64 `json:"refill_rate,omitempty"`
 	// Unit is what a token is: "requests" (the default; each request costs
 	// 1), "tokens" (each request costs the handler's cost, e.g. LLM
 	// tokens) or "concurrent" (Capacity is the number of requests of an
