@@ -122,12 +122,12 @@ func (h *Handler) decideRedis(x *exchange) verdict {
 	}
 	start := x.clock(h) // the one clock read of the request, which its quota windows used
 	req.decidedAt = start.UnixMicro()
-	held := h.reserve(req)
+	held := h.reserve(x, req)
 	d, err := h.conn.take(x.r.Context(), req.keys, req.takes)
 	if held && (err != nil || d.WaitMS == 0) {
 		h.unwait() // not held after all
 	}
-	if err == nil && !held && h.reservable(req, &d) && h.reserve(req) {
+	if err == nil && !held && h.reservable(req, &d) && h.reserve(x, req) {
 		// Every place was taken when the request came (by requests held,
 		// or being decided, most of which are never held); one has freed
 		// since, and a hold would serve this denial: decide it again,
@@ -262,7 +262,7 @@ func (h *Handler) decideDemote(x *exchange, store bucket.Redis, id string) verdi
 	var left time.Duration // what is left of the demotion
 	req.decidedAt = h.now().UnixMicro()
 	preq.decidedAt = req.decidedAt
-	held := h.reserve(req, preq)
+	held := h.reserve(x, req, preq)
 	err = h.conn.call(x.r.Context(), func(ctx context.Context) error {
 		var err error
 		d, state, left, err = store.TakeDemote(ctx, base+":demoted", base+":denials", h.demote.rule,

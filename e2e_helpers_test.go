@@ -100,6 +100,9 @@ type e2eGateway struct {
 	port   int
 	url    string
 	client *http.Client
+	// globals are global options added to the site's Caddyfile by load
+	// (e.g. servers { protocols h1 h2c }).
+	globals string
 }
 
 // startGateway starts a Redis and loads a site whose handlers are body into
@@ -145,7 +148,8 @@ func (g *e2eGateway) load(body string) {
 
 func (g *e2eGateway) caddyfile(body string) string {
 	body = strings.ReplaceAll(body, "REDIS_ADDR", g.redis.Addr)
-	return globalOptions(g.port) + fmt.Sprintf(":%d {\n%s\n}\n", g.port, body)
+	opts := strings.Replace(globalOptions(g.port), "\tauto_https off\n", "\tauto_https off\n"+g.globals, 1)
+	return opts + fmt.Sprintf(":%d {\n%s\n}\n", g.port, body)
 }
 
 // e2eResponse is what a test reads of an HTTP response.

@@ -36,9 +36,10 @@ func (h *Handler) quotaWindows(p bucket.Period, now time.Time) *bucket.Windows {
 // place is taken before the decision, so that no more reservations are
 // made than max_waiting requests can hold: a request being decided holds
 // one, though most are never held (see decideRedis, which decides again a
-// request that found every place taken and that a hold would serve).
-func (h *Handler) reserve(reqs ...*request) bool {
-	if h.maxWaitMS == 0 {
+// request that found every place taken and that a hold would serve). A
+// request that cannot be held (see holdable) takes none.
+func (h *Handler) reserve(x *exchange, reqs ...*request) bool {
+	if h.maxWaitMS == 0 || !holdable(x) {
 		return false
 	}
 	if h.waiting.Add(1) > int64(h.MaxWaiting) {
@@ -54,6 +55,20 @@ func (h *Handler) reserve(reqs ...*request) bool {
 		}
 	}
 	return true
+}
+
+// holdable reports whether x's request may be held by on_limit wait: its
+// body has been read (by the estimate), or it will be read ahead whole
+// (see readAhead). On an HTTP/2 or HTTP/3 connection a held stream whose
+// body is not read stops the uploads of every other request on the
+// connection: the client gets flow-control credit (RFC 9113, section
+// 5.2) only for what the gateway reads, and Go's HTTP/2 server buffers at
+// most 1 MiB per connection. So a request there whose body was not read
+// and is longer than maxHeldBody, or of unknown length, is not held: it
+// is denied as on_limit reject denies.
+func holdable(x *exchange) bool {
+	r := x.r
+	return r.ProtoMajor < 2 || x.est.read || r.ContentLength >= 0 && r.ContentLength <= maxHeldBody
 }
 
 // reservable reports whether a reservation would have served denial d of
@@ -118,12 +133,14 @@ func (h *Handler) await(x *exchange, v *verdict) bool {
 // into memory: 1 MiB, the estimate's default max_body.
 const maxHeldBody = DefaultEstimateMaxBody
 
-// heldBody is a held HTTP/1.x request's body, read ahead by a goroutine of
-// its own while the request waits, so that a client that leaves is
+// heldBody is a held request's body, read ahead by a goroutine of its own
+// while the request waits. On HTTP/1.x, so that a client that leaves is
 // noticed: net/http watches an HTTP/1.x connection for its close only once
 // the request's body has been read to its end (or a read of it failed,
 // which a client that leaves mid-body makes), and a requests limit never
-// reads it (HTTP/2 and HTTP/3 see a stream's reset at any time). The hold
+// reads it. On HTTP/2 and HTTP/3 (which see a stream's reset at any time),
+// so that the held stream's body does not take the connection's
+// flow-control window from its other requests (see holdable). The hold
 // does not wait for the body: a slow one keeps its place among
 // max_waiting no longer than the hold. The request's reader gets the bytes
 // read ahead, then, past maxHeldBody, the rest from the body itself.
@@ -139,10 +156,9 @@ type heldBody struct {
 var errHeldBodyFull = errors.New("token_bucket: a held body's read-ahead is full")
 
 // readAhead starts reading r's body ahead, unless there is nothing to
-// read or the protocol needs none of it, and makes r read it through a
-// heldBody.
+// read, and makes r read it through a heldBody.
 func readAhead(r *http.Request) {
-	if r.ProtoMajor != 1 || r.Body == nil || r.Body == http.NoBody || r.ContentLength == 0 {
+	if r.Body == nil || r.Body == http.NoBody || r.ContentLength == 0 {
 		return
 	}
 	b := &heldBody{src: r.Body}

@@ -10,15 +10,19 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httptrace"
 	"os"
 	"slices"
 	"sort"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/caddyserver/caddy/v2"
 
@@ -1572,5 +1576,113 @@ func TestWaitClientLeavesMidBody(t *testing.T) {
 	})
 	if _, ok := up.seen()["halfway"]; ok {
 		t.Errorf("the request reached the upstream after its client left")
+	}
+}
+
+// TestWaitHTTP2HeldBodyLeavesTheConnectionFree: on one HTTP/2 connection
+// (h2c), a POST of 1 MiB (maxHeldBody) held by a requests limit, whose
+// body no estimate reads, and then another identity's POST, which its
+// bucket allows at once. The client may send a stream's body only as the
+// gateway reads it (flow control), and Go's HTTP/2 server buffers 1 MiB a
+// connection: the held body, unread, stopped the second request's upload
+// until the hold ended (30 s here). Read ahead while it waits, it leaves
+// the connection free: the second request is answered while the first is
+// still held. A body longer than maxHeldBody is not held on HTTP/2: it is
+// denied at once, as with on_limit reject, with its full wait.
+func TestWaitHTTP2HeldBodyLeavesTheConnectionFree(t *testing.T) {
+	var heldArrived atomic.Bool // the held POST reached the upstream
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n, _ := io.Copy(io.Discard, r.Body)
+		if r.Header.Get("X-User") == "held" && n == maxHeldBody {
+			heldArrived.Store(true)
+		}
+		fmt.Fprintf(w, "read %d", n)
+	}))
+	t.Cleanup(up.Close)
+	site := `
+	token_bucket {
+		redis redis://REDIS_ADDR {
+			timeout 30s
+		}
+		dimension user {http.request.header.X-User}
+		tier free {
+			user 1 1/30s
+		}
+		on_limit wait 50s
+	}
+	reverse_proxy ` + strings.TrimPrefix(up.URL, "http://")
+	g := startGateway(t, site)
+	g.globals = "\tservers {\n\t\tprotocols h1 h2c\n\t}\n"
+	g.load(site)
+	var protocols http.Protocols
+	protocols.SetUnencryptedHTTP2(true)
+	tr := &http.Transport{Protocols: &protocols}
+	t.Cleanup(tr.CloseIdleConnections)
+	client := &http.Client{Transport: tr, Timeout: time.Minute}
+	post := func(ctx context.Context, user string, size int) (e2eResponse, bool, error) {
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.url+"v1/files", bytes.NewReader(make([]byte, size)))
+		if err != nil {
+			return e2eResponse{}, false, err
+		}
+		req.Header.Set("X-User", user)
+		reused := false
+		req = req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{
+			GotConn: func(info httptrace.GotConnInfo) { reused = info.Reused },
+		}))
+		res, err := client.Do(req)
+		if err != nil {
+			return e2eResponse{}, reused, err
+		}
+		if res.ProtoMajor != 2 {
+			t.Errorf("answered over %s, want HTTP/2", res.Proto)
+		}
+		r, err := readResponse(res, nil)
+		return r, reused, err
+	}
+	if r, _, err := post(context.Background(), "held", 10); err != nil || r.status != http.StatusOK {
+		t.Fatalf("first request: %v %d", err, r.status)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	heldDone := make(chan error, 1)
+	go func() {
+		r, _, err := post(ctx, "held", maxHeldBody)
+		if err == nil {
+			err = fmt.Errorf("answered %d %q", r.status, r.body)
+		}
+		heldDone <- err
+	}()
+	redistest.WaitFor(t, time.Minute, "the POST to be held", func() error {
+		if testutil.ToFloat64(tbMetrics.waiting) != 1 {
+			return errors.New("not held yet")
+		}
+		return nil
+	})
+	r, reused, err := post(context.Background(), "other", 64<<10)
+	if err != nil || r.status != http.StatusOK || r.body != fmt.Sprintf("read %d", 64<<10) {
+		t.Fatalf("the other identity's POST: %v %d %q, want 200 and its whole body upstream", err, r.status, r.body)
+	}
+	if !reused {
+		t.Error("the other identity's POST went on a connection of its own, not beside the held one")
+	}
+	if heldArrived.Load() {
+		t.Fatal("the held POST was sent upstream before the other was answered: its hold held the connection")
+	}
+
+	// Longer than maxHeldBody, though its wait (about 30 s) is within
+	// max_wait: not held, denied with that wait.
+	if r, _, err := post(context.Background(), "big", 10); err != nil || r.status != http.StatusOK {
+		t.Fatalf("big's first request: %v %d", err, r.status)
+	}
+	r, _, err = post(context.Background(), "big", maxHeldBody+1)
+	if err != nil || r.status != http.StatusTooManyRequests {
+		t.Fatalf("a POST of maxHeldBody+1 bytes: %v %d, want 429 at once", err, r.status)
+	}
+	if ra, _ := strconv.Atoi(r.header.Get("Retry-After")); ra < 20 || ra > 30 {
+		t.Errorf("its Retry-After %q, want its wait, at most 30 s", r.header.Get("Retry-After"))
+	}
+	cancel()
+	if err := <-heldDone; err == nil || !strings.Contains(err.Error(), "context canceled") {
+		t.Errorf("the held POST: %v, want its own cancellation", err)
 	}
 }
