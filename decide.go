@@ -32,7 +32,7 @@ type verdict struct {
 	decided bool            // Redis, the deny cache or the local store decided d
 	local   bool            // on_redis_error decided
 	demoted bool            // decided on the penalty tier, or demoted by this denial
-	gone    bool            // the client went away before Redis answered: nothing decided
+	gone    bool            // the client went away before Redis answered (err: errClientGone, before its body's end): nothing decided
 	err     error           // invalid input (errInvalidBody, errBodyTimeout, errBodyTooLarge, errInvalidCost), or the local store's failure
 }
 
@@ -178,8 +178,12 @@ func decidedVerdict(t *tier, req *request, d bucket.Decision, local bool) verdic
 }
 
 // invalidVerdict is the verdict of a request whose tokens cost cannot be
-// had.
+// had; of one whose client went away while it sent the body, that of a
+// request not decided.
 func invalidVerdict(t *tier, err error) verdict {
+	if err == errClientGone {
+		return verdict{tier: t, gone: true, err: err}
+	}
 	o := outcomeInvalidCost
 	if err == errInvalidBody || err == errBodyTimeout || err == errBodyTooLarge {
 		o = outcomeInvalidBody

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"mime"
+	"net"
 	"net/http"
 	"os"
 	"strconv"
@@ -76,6 +77,11 @@ var (
 	// set (request_body's max_size, http.MaxBytesReader), which Caddy
 	// answers 413 Request Entity Too Large.
 	errBodyTooLarge = errors.New("request body is larger than the server's limit (request_body max_size)")
+	// errClientGone: the client went away while it sent the body (a
+	// connection closed before the body's end, an HTTP/2 or HTTP/3
+	// stream reset): there is nothing to answer, and the body is not
+	// invalid.
+	errClientGone = errors.New("the client went away while sending the request body")
 )
 
 // provision sets the defaults of the unset fields and builds the
@@ -148,7 +154,7 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		return tokenEstimate{noInference: true}, nil
 	}
 	body, err := e.readBody(w, r)
-	if err == errBodyTimeout || err == errBodyTooLarge {
+	if err == errBodyTimeout || err == errBodyTooLarge || err == errClientGone {
 		return tokenEstimate{}, err
 	}
 	if err == nil && len(body) == 0 {
@@ -292,8 +298,9 @@ func setBody(r *http.Request, body []byte) {
 // and gives it back to r whole for the next handler: what was read, then
 // the unread rest. It fails with errInvalidBody for a missing body or one
 // over max_body (told by Content-Length before any byte is read, where
-// there is one), errBodyTimeout when the body does not arrive in time, and
-// errBodyTooLarge when it is over the limit of a handler before this one.
+// there is one), errBodyTimeout when the body does not arrive in time,
+// errBodyTooLarge when it is over the limit of a handler before this one,
+// and errClientGone when the client went away before its end.
 // The deadline is set on the connection (http.ResponseController) and
 // cleared once the read is done, so it never cuts the response short.
 func (e *Estimate) readBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {
@@ -327,6 +334,12 @@ func (e *Estimate) readBody(w http.ResponseWriter, r *http.Request) ([]byte, err
 		}
 		if errors.As(err, new(*http.MaxBytesError)) {
 			return nil, errBodyTooLarge
+		}
+		if r.Context().Err() != nil || errors.Is(err, io.ErrUnexpectedEOF) || errors.As(err, new(*net.OpError)) {
+			// The request's context ends with an HTTP/2 or HTTP/3
+			// stream's reset; an HTTP/1.x connection closed mid-body ends
+			// the read early.
+			return nil, errClientGone
 		}
 		return nil, errInvalidBody
 	}

@@ -2,17 +2,26 @@ package tokenbucket
 
 import (
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
 	"github.com/token-bucket/token_bucket/bucket"
+	"github.com/token-bucket/token_bucket/internal/redistest"
 )
 
 func int64p(n int64) *int64 { return &n }
@@ -241,5 +250,95 @@ func BenchmarkEstimate(b *testing.B) {
 		if _, err := e.estimate(httptest.NewRecorder(), req, false); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// goneBody sends part of a body, then fails as net/http's body does when
+// its client goes away mid-body: the HTTP/1.x connection closed before
+// Content-Length's end (io.ErrUnexpectedEOF), or reset.
+type goneBody struct {
+	part []byte
+	err  error
+}
+
+func (b *goneBody) Read(p []byte) (int, error) {
+	if len(b.part) > 0 {
+		n := copy(p, b.part)
+		b.part = b.part[n:]
+		return n, nil
+	}
+	return 0, b.err
+}
+
+// TestClientGoneMidBody: a client that goes away while it sends the body
+// the estimate reads (its connection closed or reset, its HTTP/2 stream
+// reset, which ends the request's context) is a client gone, as one that
+// leaves while Redis decides: 499 logged, nothing decided, nothing charged,
+// not counted as invalid_body. A body cut short while its client stays is
+// still invalid.
+func TestClientGoneMidBody(t *testing.T) {
+	srv := redistest.Start(t)
+	tier := uniqueTier("midbody")
+	h := provisionHandler(t, &Handler{
+		Redis:      &RedisConfig{Address: []string{srv.Addr}},
+		Dimensions: []Dimension{{Name: "user", Identity: "{http.request.header.X-User}"}},
+		Tiers:      []Tier{{Name: tier, Limits: []Limit{{Dimension: "user", Capacity: 10000, RefillRate: 1, Unit: UnitTokens}}}},
+		Estimate:   &Estimate{},
+	})
+	const body = `{"model":"gpt-4o","messages":[{"role":"user","content":"hello"}]}`
+	reset := &net.OpError{Op: "read", Net: "tcp", Err: syscall.ECONNRESET}
+	canceled, cancel := context.WithCancel(context.Background())
+	cancel()
+	for _, tc := range []struct {
+		name    string
+		ctx     context.Context
+		err     error
+		status  int
+		outcome string
+	}{
+		{"connection closed", context.Background(), io.ErrUnexpectedEOF, statusClientClosedRequest, ""},
+		{"connection reset", context.Background(), reset, statusClientClosedRequest, ""},
+		{"stream reset", canceled, errors.New("http2: stream closed"), statusClientClosedRequest, ""},
+		{"body that fails otherwise", context.Background(), errors.New("malformed chunked encoding"), http.StatusBadRequest, "invalid_body"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			counters := map[string]prometheus.Counter{}
+			before := map[string]float64{}
+			for _, o := range outcomeNames {
+				counters[o] = tbMetrics.decisions.WithLabelValues(tier, o)
+				before[o] = testutil.ToFloat64(counters[o])
+			}
+			req := httptest.NewRequestWithContext(tc.ctx, http.MethodPost, "http://gateway.test/v1/chat/completions",
+				&goneBody{part: []byte(body[:20]), err: tc.err})
+			req.ContentLength = int64(len(body))
+			req.Header.Set("X-User", "leaver")
+			rec := httptest.NewRecorder()
+			req = caddyhttp.PrepareRequest(req, caddy.NewReplacer(), rec, &caddyhttp.Server{})
+			passed := false
+			err := h.ServeHTTP(rec, req, caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
+				passed = true
+				return nil
+			}))
+			status := rec.Code
+			var he caddyhttp.HandlerError
+			if errors.As(err, &he) {
+				status = he.StatusCode
+			}
+			if status != tc.status || passed {
+				t.Errorf("status %d (%v), passed on %v; want %d, not passed on", status, err, passed, tc.status)
+			}
+			for o, c := range counters {
+				want := 0.0
+				if o == tc.outcome {
+					want = 1
+				}
+				if got := testutil.ToFloat64(c) - before[o]; got != want {
+					t.Errorf("decisions_total{outcome=%q} grew by %v, want %v", o, got, want)
+				}
+			}
+			if keys := srv.Client(t).Keys(context.Background(), "*").Val(); len(keys) != 0 {
+				t.Errorf("keys written: %q", keys)
+			}
+		})
 	}
 }

@@ -1,6 +1,7 @@
 package tokenbucket
 
 import (
+	"cmp"
 	"context"
 	"math"
 	"net/http"
@@ -499,7 +500,7 @@ func (h *Handler) respond(x *exchange, v *verdict, next caddyhttp.Handler) error
 	switch {
 	case v.gone:
 		// As reverse_proxy reports a client that closed its request.
-		return caddyhttp.Error(statusClientClosedRequest, context.Cause(x.r.Context()))
+		return caddyhttp.Error(statusClientClosedRequest, cmp.Or(context.Cause(x.r.Context()), v.err))
 	case v.outcome == outcomeUnavailable && v.err != nil:
 		return caddyhttp.Error(http.StatusServiceUnavailable, v.err)
 	case v.outcome == outcomeUnavailable:
