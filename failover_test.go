@@ -1377,6 +1377,52 @@ func TestBreakerLogsToNewestConfig(t *testing.T) {
 	}
 }
 
+// TestBreakerLogsDegradedModeEnterAndExit: the breaker's opening is a
+// warning that degraded mode begins, and its closing, once a probe after
+// the cooldown finds Redis answering, a warning that it is over; each
+// once.
+func TestBreakerLogsDegradedModeEnterAndExit(t *testing.T) {
+	srv := redistest.Start(t)
+	proxy := redistest.StartProxy(t)
+	proxy.SetTarget("127.0.0.1:" + strconv.Itoa(redistest.FreePort(t))) // nothing listens
+	r, err := (&RedisConfig{Address: []string{proxy.Addr}, Timeout: caddy.Duration(foTimeout),
+		BreakerFailures: 1, BreakerCooldown: caddy.Duration(50 * time.Millisecond)}).resolve()
+	if err != nil {
+		t.Fatal(err)
+	}
+	core, logs := observer.New(zap.InfoLevel)
+	logger := zap.New(core)
+	c, key, err := acquire(context.Background(), r, logger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		c.dropLogger(logger)
+		if _, err := conns.Delete(key); err != nil {
+			t.Error(err)
+		}
+	}()
+	const opened, closed = "redis circuit breaker opened: degraded", "redis circuit breaker closed: degraded mode over"
+	if _, err := c.take(context.Background(), []string{"rl:{user:x}"}, testTakes(t)); err == nil {
+		t.Fatal("a call through a proxy to no server succeeded")
+	}
+	if n, m := logs.FilterMessageSnippet(opened).Len(), logs.FilterMessageSnippet(closed).Len(); n != 1 || m != 0 {
+		t.Fatalf("Redis away: %q logged %d times, %q %d; want 1 and 0", opened, n, closed, m)
+	}
+	proxy.SetTarget(srv.Addr)
+	redistest.WaitFor(t, 10*time.Second, "a probe after the cooldown to reach Redis", func() error {
+		_, err := c.take(context.Background(), []string{"rl:{user:x}"}, testTakes(t))
+		return err
+	})
+	entries := logs.FilterMessageSnippet(closed).All()
+	if len(entries) != 1 || entries[0].Level != zap.WarnLevel || entries[0].ContextMap()["from"] != "half_open" {
+		t.Fatalf("Redis back: %q logged %v, want once, a warning, from half_open", closed, entries)
+	}
+	if n := logs.FilterMessageSnippet(opened).Len(); n != 1 {
+		t.Errorf("%q logged %d times in all, want 1", opened, n)
+	}
+}
+
 // TestUnsent: which failed calls are known never to have reached Redis,
 // so took no concurrency slot to release.
 func TestUnsent(t *testing.T) {
