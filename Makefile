@@ -2,16 +2,22 @@
 # on a fresh Debian machine with Go (redis-server, nodejs and npm are
 # installed when missing).
 
-.PHONY: run test bench fuzz fuzz-short soak fmt fmt-check vet redis node sdk build check-build clean
+.PHONY: run test allocs bench fuzz fuzz-short soak fmt fmt-check vet redis node sdk build check-build clean
 
 # Run the demo gateway of Caddyfile.example on 127.0.0.1:8080 with its own Redis.
 run:
 	scripts/run.sh
 
-# Everything CI checks: a short fuzz run of every target, then every test.
-# go test runs last, so its summary lines end the output.
-test: redis sdk vet fmt-check check-build fuzz-short
+# Everything CI checks: a short fuzz run of every target, the request
+# path's allocation bounds (read without the race detector, which
+# allocates), then every test. go test -race runs last, so its summary
+# lines end the output.
+test: redis sdk vet fmt-check check-build fuzz-short allocs
 	go test -race -count=1 ./...
+
+# The heap allocations of one request through the handler (allocs_test.go).
+allocs: redis
+	go test -count=1 -run '^TestHandlerAllocations$$' .
 
 FUZZTIME ?= 10
 SOAK ?= 3m

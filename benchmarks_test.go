@@ -115,7 +115,7 @@ func BenchmarkHandlerServeParallel(b *testing.B) {
 // perfHandler provisions a handler on the Redis at addr with its own key
 // prefix, and primes its buckets so that each has state in Redis: a tight
 // bucket is emptied, a roomy one is 10000 tokens short.
-func perfHandler(b *testing.B, addr string, client *redis.Client, name, outcome string, dims int) *Handler {
+func perfHandler(b testing.TB, addr string, client *redis.Client, name, outcome string, dims int) *Handler {
 	b.Helper()
 	h := &Handler{
 		Redis:      &RedisConfig{Address: []string{addr}, Timeout: caddy.Duration(time.Second), PoolSize: 64},

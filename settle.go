@@ -230,7 +230,7 @@ func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, v *verdict, rec 
 		return // no usage to settle with: the estimate stands
 	}
 	st := v.req.adjustments(&v.d, used, partial, v.local)
-	st.v = v
+	st.d = v.d // a copy: v stays on the stack
 	repl.Set("http.token_bucket.tokens_used", used)
 	if len(st.keys) == 0 {
 		countSettlement(settledOutcome)
@@ -256,12 +256,14 @@ func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, v *verdict, rec 
 // charge differs from the usage, its key, the difference, and the index
 // of its limit in the request (for the metrics).
 type settlement struct {
-	v    *verdict
-	id   string // the request's id, settle.lua's marker
-	keys []string
-	adj  []bucket.Adjust
-	at   []int
-	used int64 // the tokens the response reports
+	req   *request
+	d     bucket.Decision // the decision that charged req
+	local bool            // on_redis_error local decided it
+	id    string          // the request's id, settle.lua's marker
+	keys  []string
+	adj   []bucket.Adjust
+	at    []int
+	used  int64 // the tokens the response reports
 }
 
 // neverSent reports whether err proves that a call never reached Redis:
@@ -344,8 +346,8 @@ func (h *Handler) settled(st settlement, err error, mayHaveRun bool) {
 		return
 	}
 	countSettlement(settledOutcome)
-	h.metrics.settledTokens(st.v.req, &st.v.d, st.at, st.adj, st.v.local)
-	if h.denials != nil && !st.v.local && st.adj[0].Delta < 0 {
+	h.metrics.settledTokens(st.req, &st.d, st.at, st.adj, st.local)
+	if h.denials != nil && !st.local && st.adj[0].Delta < 0 {
 		for _, k := range st.keys {
 			h.denials.Forget(k) // tokens came back: let Redis decide again
 		}
@@ -379,6 +381,6 @@ func (req *request) adjustments(d *bucket.Decision, used int64, partial, local b
 			st.keys, st.adj, st.at = append(st.keys, req.keys[i]), append(st.adj, a), append(st.at, i)
 		}
 	}
-	st.used = used
+	st.req, st.local, st.used = req, local, used
 	return st
 }

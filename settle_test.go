@@ -366,7 +366,7 @@ func TestSettlementFailureOutcome(t *testing.T) {
 	}
 
 	h := &Handler{logger: zap.NewNop()}
-	st := settlement{v: &verdict{req: &request{}}, keys: []string{"k"}, adj: []bucket.Adjust{{Delta: -10}}, at: []int{0}, used: 5}
+	st := settlement{req: &request{}, keys: []string{"k"}, adj: []bucket.Adjust{{Delta: -10}}, at: []int{0}, used: 5}
 	for _, tc := range []struct {
 		err        error
 		mayHaveRun bool
