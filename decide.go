@@ -77,14 +77,14 @@ func (h *Handler) decide(x *exchange, v *verdict) {
 		*v = verdict{outcome: outcomeSkipped, tier: t}
 		return
 	}
-	if h.denials != nil && h.cachedDenial(v, t, req, false) {
+	if h.denials != nil && h.cachedDenial(v, x, false) {
 		return
 	}
 	if err := h.price(&x.inputs, req); err != nil {
 		*v = invalidVerdict(t, err)
 		return
 	}
-	if h.denials != nil && req.hasTokens() && h.cachedDenial(v, t, req, true) {
+	if h.denials != nil && req.hasTokens() && h.cachedDenial(v, x, true) {
 		return
 	}
 	*v = h.decideRedis(x)
@@ -192,9 +192,13 @@ func invalidVerdict(t *tier, err error) verdict {
 }
 
 // cachedDenial sets v to the deny cache's verdict and reports true when any
-// of req's buckets of the unit asked for (tokens or requests) is known to
-// deny its cost: a denial that speaks of those buckets.
-func (h *Handler) cachedDenial(v *verdict, t *tier, req *request, tokens bool) bool {
+// of x's buckets of the unit asked for (tokens or requests) is known to
+// deny its cost: a denial that speaks of those buckets. Under on_limit
+// wait the cache keeps a token bucket's wait less max_wait, the time
+// until a request can be held (see decideRedis); a request that cannot be
+// held (see holdable) is told its whole wait.
+func (h *Handler) cachedDenial(v *verdict, x *exchange, tokens bool) bool {
+	req := x.req
 	var found [4]cachedBucket // room on the stack for the usual few
 	hits := found[:0]
 	for i, k := range req.keys {
@@ -208,7 +212,14 @@ func (h *Handler) cachedDenial(v *verdict, t *tier, req *request, tokens bool) b
 	if len(hits) == 0 {
 		return false
 	}
-	cachedVerdict(v, t, req, hits)
+	if h.maxWaitMS > 0 && !holdable(x) {
+		for j, c := range hits {
+			if req.limits[c.i].period == 0 {
+				hits[j].waitMS += h.maxWaitMS
+			}
+		}
+	}
+	cachedVerdict(v, x.tier, req, hits)
 	return true
 }
 

@@ -65,10 +65,22 @@ func (h *Handler) reserve(x *exchange, reqs ...*request) bool {
 // 5.2) only for what the gateway reads, and Go's HTTP/2 server buffers at
 // most 1 MiB per connection. So a request there whose body was not read
 // and is longer than maxHeldBody, or of unknown length, is not held: it
-// is denied as on_limit reject denies.
+// is denied as on_limit reject denies. A GET, HEAD, OPTIONS or DELETE of
+// unknown length is held: HTTP/3 gives every request without
+// Content-Length an unknown one, and those methods send no body.
 func holdable(x *exchange) bool {
 	r := x.r
-	return r.ProtoMajor < 2 || x.est.read || r.ContentLength >= 0 && r.ContentLength <= maxHeldBody
+	switch {
+	case r.ProtoMajor < 2 || x.est.read:
+		return true
+	case r.ContentLength >= 0:
+		return r.ContentLength <= maxHeldBody
+	}
+	switch r.Method {
+	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodDelete:
+		return true
+	}
+	return false
 }
 
 // reservable reports whether a reservation would have served denial d of

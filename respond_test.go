@@ -219,7 +219,7 @@ func TestDenialItemsSameFromRedisAndCache(t *testing.T) {
 	// of 2501 ms is answered now as 2500.
 	cache.Remember("ku", limits[0].spec, 1, now, 2501, 0)
 	var v verdict
-	if !h.cachedDenial(&v, tr, req, false) {
+	if !h.cachedDenial(&v, &exchange{inputs: inputs{r: httptest.NewRequest(http.MethodGet, "/", nil)}, tier: tr, req: req}, false) {
 		t.Fatal("the deny cache does not answer")
 	}
 	w := answer(v)

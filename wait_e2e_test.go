@@ -1591,54 +1591,11 @@ func TestWaitClientLeavesMidBody(t *testing.T) {
 // denied at once, as with on_limit reject, with its full wait.
 func TestWaitHTTP2HeldBodyLeavesTheConnectionFree(t *testing.T) {
 	var heldArrived atomic.Bool // the held POST reached the upstream
-	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		n, _ := io.Copy(io.Discard, r.Body)
+	post := startH2CWaitGateway(t, "user 1 1/30s", "on_limit wait 50s", func(r *http.Request, n int64) {
 		if r.Header.Get("X-User") == "held" && n == maxHeldBody {
 			heldArrived.Store(true)
 		}
-		fmt.Fprintf(w, "read %d", n)
-	}))
-	t.Cleanup(up.Close)
-	site := `
-	token_bucket {
-		redis redis://REDIS_ADDR {
-			timeout 30s
-		}
-		dimension user {http.request.header.X-User}
-		tier free {
-			user 1 1/30s
-		}
-		on_limit wait 50s
-	}
-	reverse_proxy ` + strings.TrimPrefix(up.URL, "http://")
-	g := startGateway(t, site)
-	g.globals = "\tservers {\n\t\tprotocols h1 h2c\n\t}\n"
-	g.load(site)
-	var protocols http.Protocols
-	protocols.SetUnencryptedHTTP2(true)
-	tr := &http.Transport{Protocols: &protocols}
-	t.Cleanup(tr.CloseIdleConnections)
-	client := &http.Client{Transport: tr, Timeout: time.Minute}
-	post := func(ctx context.Context, user string, size int) (e2eResponse, bool, error) {
-		req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.url+"v1/files", bytes.NewReader(make([]byte, size)))
-		if err != nil {
-			return e2eResponse{}, false, err
-		}
-		req.Header.Set("X-User", user)
-		reused := false
-		req = req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{
-			GotConn: func(info httptrace.GotConnInfo) { reused = info.Reused },
-		}))
-		res, err := client.Do(req)
-		if err != nil {
-			return e2eResponse{}, reused, err
-		}
-		if res.ProtoMajor != 2 {
-			t.Errorf("answered over %s, want HTTP/2", res.Proto)
-		}
-		r, err := readResponse(res, nil)
-		return r, reused, err
-	}
+	})
 	if r, _, err := post(context.Background(), "held", 10); err != nil || r.status != http.StatusOK {
 		t.Fatalf("first request: %v %d", err, r.status)
 	}
@@ -1684,5 +1641,150 @@ func TestWaitHTTP2HeldBodyLeavesTheConnectionFree(t *testing.T) {
 	cancel()
 	if err := <-heldDone; err == nil || !strings.Contains(err.Error(), "context canceled") {
 		t.Errorf("the held POST: %v, want its own cancellation", err)
+	}
+}
+
+// h2cPost sends a POST of size zero bytes to /v1/files for user, over the
+// one HTTP/2 connection of its client, and reports whether the
+// connection was reused.
+type h2cPost func(ctx context.Context, user string, size int) (r e2eResponse, reused bool, err error)
+
+// startH2CWaitGateway starts a gateway that speaks HTTP/2 without TLS
+// (h2c), limiting X-User with limits and the extra subdirectives, in
+// front of an upstream that reads each body whole (and tells seen its
+// length) and answers "read <n>". It returns a POST over one connection.
+func startH2CWaitGateway(t *testing.T, limits, extra string, seen func(r *http.Request, n int64)) h2cPost {
+	t.Helper()
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n, _ := io.Copy(io.Discard, r.Body)
+		if seen != nil {
+			seen(r, n)
+		}
+		fmt.Fprintf(w, "read %d", n)
+	}))
+	t.Cleanup(up.Close)
+	site := `
+	token_bucket {
+		redis redis://REDIS_ADDR {
+			timeout 30s
+		}
+		dimension user {http.request.header.X-User}
+		tier free {
+			` + limits + `
+		}
+		` + extra + `
+	}
+	reverse_proxy ` + strings.TrimPrefix(up.URL, "http://")
+	g := startGateway(t, site)
+	g.globals = "\tservers {\n\t\tprotocols h1 h2c\n\t}\n"
+	g.load(site)
+	var protocols http.Protocols
+	protocols.SetUnencryptedHTTP2(true)
+	tr := &http.Transport{Protocols: &protocols}
+	t.Cleanup(tr.CloseIdleConnections)
+	client := &http.Client{Transport: tr, Timeout: time.Minute}
+	return func(ctx context.Context, user string, size int) (e2eResponse, bool, error) {
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.url+"v1/files", bytes.NewReader(make([]byte, size)))
+		if err != nil {
+			return e2eResponse{}, false, err
+		}
+		req.Header.Set("X-User", user)
+		reused := false
+		req = req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{
+			GotConn: func(info httptrace.GotConnInfo) { reused = info.Reused },
+		}))
+		res, err := client.Do(req)
+		if err != nil {
+			return e2eResponse{}, reused, err
+		}
+		if res.ProtoMajor != 2 {
+			t.Errorf("answered over %s, want HTTP/2", res.Proto)
+		}
+		r, err := readResponse(res, nil)
+		return r, reused, err
+	}
+}
+
+// TestWaitHTTP2UnheldRequestToldItsWholeWait: "user 1 1/30s" with
+// on_limit wait 10s, over HTTP/2. A POST longer than maxHeldBody, which
+// cannot be held there, waits 30 s: it is denied with Retry-After 30, and
+// the deny cache keeps 20 s (until a request could be held). Answered
+// from the cache, the next such POST is told 30 s too, not the 20 after
+// which it would still be denied; one of 10 bytes, which can be held, is
+// told 20.
+func TestWaitHTTP2UnheldRequestToldItsWholeWait(t *testing.T) {
+	post := startH2CWaitGateway(t, "user 1 1/30s", "on_limit wait 10s", nil)
+	if r, _, err := post(context.Background(), "big", 10); err != nil || r.status != http.StatusOK {
+		t.Fatalf("the first request: %v %d", err, r.status)
+	}
+	for _, tc := range []struct {
+		what     string
+		size     int
+		min, max int
+	}{
+		{"from Redis", maxHeldBody + 1, 29, 30},
+		{"from the deny cache", maxHeldBody + 1, 29, 30},
+		{"from the deny cache, one that can be held", 10, 19, 20},
+	} {
+		r, _, err := post(context.Background(), "big", tc.size)
+		if err != nil || r.status != http.StatusTooManyRequests {
+			t.Fatalf("%s: %v %d, want 429", tc.what, err, r.status)
+		}
+		if ra, _ := strconv.Atoi(r.header.Get("Retry-After")); ra < tc.min || ra > tc.max {
+			t.Errorf("%s: Retry-After %q, want %d to %d", tc.what, r.header.Get("Retry-After"), tc.min, tc.max)
+		}
+	}
+}
+
+// TestHoldable: which requests on_limit wait may hold. HTTP/1.x: all. On
+// HTTP/2 and HTTP/3: one whose body the estimate read (an empty one of
+// unknown length included), one whose body
+// will be read ahead whole (at most maxHeldBody), and a GET, HEAD,
+// OPTIONS or DELETE of unknown length (HTTP/3 gives every request without
+// Content-Length one); not a longer body, nor one of unknown length.
+func TestHoldable(t *testing.T) {
+	e := &Estimate{}
+	if err := e.provision(); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name     string
+		proto    int
+		method   string
+		length   int64
+		estimate bool // the estimate reads the body first
+		want     bool
+	}{
+		{"HTTP/1.1 POST, long", 1, http.MethodPost, maxHeldBody + 1, false, true},
+		{"HTTP/1.1 POST, unknown length", 1, http.MethodPost, -1, false, true},
+		{"HTTP/2 POST of maxHeldBody", 2, http.MethodPost, maxHeldBody, false, true},
+		{"HTTP/2 POST, longer", 2, http.MethodPost, maxHeldBody + 1, false, false},
+		{"HTTP/2 POST, unknown length", 2, http.MethodPost, -1, false, false},
+		{"HTTP/3 POST, unknown length", 3, http.MethodPost, -1, false, false},
+		{"HTTP/3 GET, unknown length", 3, http.MethodGet, -1, false, true},
+		{"HTTP/3 POST, unknown length, estimated empty", 3, http.MethodPost, -1, true, true},
+		{"HTTP/3 HEAD", 3, http.MethodHead, -1, false, true},
+		{"HTTP/3 OPTIONS", 3, http.MethodOptions, -1, false, true},
+		{"HTTP/3 DELETE", 3, http.MethodDelete, -1, false, true},
+		{"HTTP/2 GET", 2, http.MethodGet, 0, false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := httptest.NewRequest(tc.method, "/v1/responses", http.NoBody)
+			r.ProtoMajor, r.ContentLength = tc.proto, tc.length
+			if tc.length < 0 {
+				r.Body = io.NopCloser(strings.NewReader(""))
+			}
+			x := &exchange{inputs: inputs{r: r}}
+			if tc.estimate {
+				est, err := e.estimate(httptest.NewRecorder(), r, false)
+				if err != nil || !est.read || !est.noInference {
+					t.Fatalf("the estimate of an empty body of unknown length: %+v, %v; want read, 0 tokens", est, err)
+				}
+				x.est = est
+			}
+			if got := holdable(x); got != tc.want {
+				t.Errorf("holdable: %v, want %v", got, tc.want)
+			}
+		})
 	}
 }
