@@ -77,10 +77,9 @@ var (
 	// set (request_body's max_size, http.MaxBytesReader), which Caddy
 	// answers 413 Request Entity Too Large.
 	errBodyTooLarge = errors.New("request body is larger than the server's limit (request_body max_size)")
-	// errClientGone: the client went away while it sent the body (a
-	// connection closed before the body's end, an HTTP/2 or HTTP/3
-	// stream reset): there is nothing to answer, and the body is not
-	// invalid.
+	// errClientGone: the client went away while it sent the body (an
+	// HTTP/2 or HTTP/3 stream reset, a connection reset): there is
+	// nothing to answer, and the body is not invalid.
 	errClientGone = errors.New("the client went away while sending the request body")
 )
 
@@ -160,7 +159,7 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 	if err == nil && len(body) == 0 {
 		// No body after all, where none was declared (HTTP/3, whose
 		// requests give no Content-Length; an empty chunked body).
-		return tokenEstimate{noInference: true}, nil
+		return tokenEstimate{noInference: true, read: true}, nil
 	}
 	read := err == nil
 	var req llm.Request
@@ -335,10 +334,12 @@ func (e *Estimate) readBody(w http.ResponseWriter, r *http.Request) ([]byte, err
 		if errors.As(err, new(*http.MaxBytesError)) {
 			return nil, errBodyTooLarge
 		}
-		if r.Context().Err() != nil || errors.Is(err, io.ErrUnexpectedEOF) || errors.As(err, new(*net.OpError)) {
+		if r.Context().Err() != nil || errors.As(err, new(*net.OpError)) {
 			// The request's context ends with an HTTP/2 or HTTP/3
-			// stream's reset; an HTTP/1.x connection closed mid-body ends
-			// the read early.
+			// stream's reset; an HTTP/1.x connection reset fails the
+			// read. (One closed mid-body ends it early, as a client that
+			// half-closes after a body shorter than its Content-Length
+			// does, which is still there to read a 400.)
 			return nil, errClientGone
 		}
 		return nil, errInvalidBody

@@ -253,9 +253,9 @@ func BenchmarkEstimate(b *testing.B) {
 	}
 }
 
-// goneBody sends part of a body, then fails as net/http's body does when
-// its client goes away mid-body: the HTTP/1.x connection closed before
-// Content-Length's end (io.ErrUnexpectedEOF), or reset.
+// goneBody sends part of a body, then fails with err, as net/http's body
+// does when its HTTP/1.x connection is reset (a *net.OpError) or ends
+// before Content-Length's end (io.ErrUnexpectedEOF).
 type goneBody struct {
 	part []byte
 	err  error
@@ -271,11 +271,11 @@ func (b *goneBody) Read(p []byte) (int, error) {
 }
 
 // TestClientGoneMidBody: a client that goes away while it sends the body
-// the estimate reads (its connection closed or reset, its HTTP/2 stream
-// reset, which ends the request's context) is a client gone, as one that
-// leaves while Redis decides: 499 logged, nothing decided, nothing charged,
-// not counted as invalid_body. A body cut short while its client stays is
-// still invalid.
+// the estimate reads (its connection reset, its HTTP/2 stream reset, which
+// ends the request's context) is a client gone, as one that leaves while
+// Redis decides: 499 logged, nothing decided, nothing charged, not counted
+// as invalid_body. A body shorter than its Content-Length is invalid: its
+// client may have half-closed the connection and still read the 400.
 func TestClientGoneMidBody(t *testing.T) {
 	srv := redistest.Start(t)
 	tier := uniqueTier("midbody")
@@ -296,7 +296,7 @@ func TestClientGoneMidBody(t *testing.T) {
 		status  int
 		outcome string
 	}{
-		{"connection closed", context.Background(), io.ErrUnexpectedEOF, statusClientClosedRequest, ""},
+		{"body shorter than Content-Length", context.Background(), io.ErrUnexpectedEOF, http.StatusBadRequest, "invalid_body"},
 		{"connection reset", context.Background(), reset, statusClientClosedRequest, ""},
 		{"stream reset", canceled, errors.New("http2: stream closed"), statusClientClosedRequest, ""},
 		{"body that fails otherwise", context.Background(), errors.New("malformed chunked encoding"), http.StatusBadRequest, "invalid_body"},
