@@ -266,9 +266,13 @@ type settlement struct {
 	used  int64 // the tokens the response reports
 }
 
-// neverSent reports whether err proves that a call never reached Redis:
-// the breaker refused it, or no connection was made (see unsent).
+// neverSent reports whether err proves that a settlement never reached
+// Redis: the breaker refused it, or no connection was made (see unsent);
+// not one that Redis Cluster settled in part (bucket.PartialSettleError).
 func neverSent(err error) bool {
+	if errors.As(err, new(*bucket.PartialSettleError)) {
+		return false
+	}
 	return errors.Is(err, gobreaker.ErrOpenState) || errors.Is(err, gobreaker.ErrTooManyRequests) || unsent(err)
 }
 

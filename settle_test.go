@@ -359,6 +359,7 @@ func TestSettlementFailureOutcome(t *testing.T) {
 		{"connection reset", read, false},
 		{"eof", io.EOF, false},
 		{"dial and reset", errors.Join(dial, read), false},
+		{"cluster, settled in part", &bucket.PartialSettleError{Err: dial}, false},
 	} {
 		if got := neverSent(tc.err); got != tc.never {
 			t.Errorf("%s: neverSent %v, want %v", tc.name, got, tc.never)

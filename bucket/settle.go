@@ -53,16 +53,21 @@ func (s Redis) Settle(ctx context.Context, id string, keys []string, adj []Adjus
 }
 
 // Settle settles each hash-tag group of keys in its own call (one marker
-// per group, on the group's slot).
+// per group, on the group's slot). A call that fails after another
+// group's call succeeded is a *PartialSettleError: part of the settlement
+// stands, whatever the failed call's error says of that call.
 func (s Sharded) Settle(ctx context.Context, id string, keys []string, adj []Adjust) (bool, error) {
 	settled := false
-	for _, idx := range groupByTag(keys) {
+	for n, idx := range groupByTag(keys) {
 		gk := make([]string, 0, len(idx))
 		ga := make([]Adjust, 0, len(idx))
 		for _, i := range idx {
 			gk, ga = append(gk, keys[i]), append(ga, adj[i])
 		}
 		ok, err := Redis{Client: s.Client}.Settle(ctx, id, gk, ga)
+		if err != nil && n > 0 {
+			return settled, &PartialSettleError{Err: err}
+		}
 		if err != nil {
 			return settled, err
 		}
@@ -70,6 +75,18 @@ func (s Sharded) Settle(ctx context.Context, id string, keys []string, adj []Adj
 	}
 	return settled, nil
 }
+
+// PartialSettleError is a settlement of several hash-tag groups (Sharded)
+// whose call for one group failed with Err after an earlier group's call
+// succeeded: that group is settled (its marker set), and a retry settles
+// the rest once.
+type PartialSettleError struct{ Err error }
+
+func (e *PartialSettleError) Error() string {
+	return "settled in part, the other hash-tag groups failed: " + e.Err.Error()
+}
+
+func (e *PartialSettleError) Unwrap() error { return e.Err }
 
 // clampDelta returns the delta in units, bounded by two capacities either
 // way. Two capacities are enough to take any bucket (it holds at most one)

@@ -2,7 +2,11 @@ package bucket
 
 import (
 	"context"
+	"errors"
+	"net"
 	"strconv"
+	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/redis/go-redis/v9"
@@ -71,5 +75,80 @@ func TestSettleDebtFloorsAtMinusCapacity(t *testing.T) {
 		if model, kept := SettleState(after.Last, spec, before, step.delta); !kept || model != after {
 			t.Errorf("settle %d: stored %+v, model %+v (kept %v)", step.delta, after, model, kept)
 		}
+	}
+}
+
+// downFor is a client whose node for keys of one hash tag cannot be
+// dialled, as a Cluster node that is down.
+type downFor struct {
+	*redis.Client
+	tag string
+}
+
+func (c downFor) fail(keys []string) (*redis.Cmd, bool) {
+	if !strings.Contains(keys[0], c.tag) {
+		return nil, false
+	}
+	cmd := redis.NewCmd(context.Background())
+	cmd.SetErr(&net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED})
+	return cmd, true
+}
+
+func (c downFor) EvalSha(ctx context.Context, sha string, keys []string, args ...any) *redis.Cmd {
+	if cmd, ok := c.fail(keys); ok {
+		return cmd
+	}
+	return c.Client.EvalSha(ctx, sha, keys, args...)
+}
+
+func (c downFor) Eval(ctx context.Context, script string, keys []string, args ...any) *redis.Cmd {
+	if cmd, ok := c.fail(keys); ok {
+		return cmd
+	}
+	return c.Client.Eval(ctx, script, keys, args...)
+}
+
+// TestShardedSettleInPart: a settlement of two hash-tag groups whose
+// second group's node cannot be dialled settles the first and fails with
+// a *PartialSettleError around the dial error (not the dial error alone,
+// which would say that nothing was sent); retried once the node is back,
+// it settles the second group and leaves the first as it was. A failure
+// of the first group is its own error.
+func TestShardedSettleInPart(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	spec := shSpec(t, 1000)
+	keyer := NewKeyer("rl:", "")
+	user, org := keyer.Key("user", "u", "tokens"), keyer.Key("org", "o", "tokens")
+	if d, err := (Redis{Client: rdb}).Take(ctx, []string{user, org}, []Take{{Spec: spec, Cost: 500}, {Spec: spec, Cost: 500}}); err != nil || !d.Allowed {
+		t.Fatalf("take: %+v %v", d, err)
+	}
+	tokens := func(key string) int64 {
+		t.Helper()
+		st, err := DecodeState(rdb.Get(ctx, key).Val())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.Units / st.Scale
+	}
+	adj := []Adjust{{Spec: spec, Delta: -400}, {Spec: spec, Delta: -400}}
+	ok, err := Sharded{Client: downFor{rdb, "{org:"}}.Settle(ctx, "req-1", []string{user, org}, adj)
+	var partial *PartialSettleError
+	if !ok || !errors.As(err, &partial) || !errors.As(err, new(*net.OpError)) {
+		t.Fatalf("settled %v, error %v; want settled, a *PartialSettleError around the dial error", ok, err)
+	}
+	if u, o := tokens(user), tokens(org); u != 900 || o != 500 {
+		t.Fatalf("after the partial settlement: user %d, org %d tokens; want 900 and 500", u, o)
+	}
+	if ok, err := (Sharded{Client: rdb}).Settle(ctx, "req-1", []string{user, org}, adj); !ok || err != nil {
+		t.Fatalf("the retry: settled %v, %v", ok, err)
+	}
+	if u, o := tokens(user), tokens(org); u != 900 || o != 900 {
+		t.Errorf("after the retry: user %d, org %d tokens; want 900 each (the user group settled once)", u, o)
+	}
+	_, err = Sharded{Client: downFor{rdb, "{user:"}}.Settle(ctx, "req-2", []string{user, org}, adj)
+	if err == nil || errors.As(err, &partial) {
+		t.Errorf("the first group failing: %v, want its dial error alone", err)
 	}
 }
