@@ -51,8 +51,10 @@ type collectors struct {
 	// whose usage was above the estimate. refunded counts tokens given
 	// back: by settlements whose usage was below the charge (a call the
 	// provider refused: all of it), and to a request held by on_limit
-	// wait whose client left. charged − refunded is what the buckets
-	// lost. Each counts once per request and series, however many of its
+	// wait whose client left. charged − refunded is what was charged in
+	// the end (with settle, the usage reported), which a bucket follows
+	// within its bounds: no deeper than minus its capacity, no fuller than
+	// full. Each counts once per request and series, however many of its
 	// limits (model-scoped, shadow) share it (see request.leads).
 	charged, refunded *prometheus.CounterVec
 	// local counts the decisions made without Redis by on_redis_error:
@@ -141,7 +143,7 @@ func newCollectors() *collectors {
 			"Tokens charged, by tier, dimension and unit (requests, tokens, concurrent, or a quota's: requests-per-day, tokens-per-month, ...): on allowed requests, and by settlements whose usage was above the estimate; once per request and series, however many limits (model-scoped, shadow) share it.",
 			"tier", "dimension", "unit"),
 		refunded: counter("tokens_refunded_total",
-			"Tokens given back, by tier, dimension and unit: by settlements whose usage was below the charge, and to held requests whose client left; tokens_charged_total minus this is what the buckets lost.",
+			"Tokens given back, by tier, dimension and unit: by settlements whose usage was below the charge, and to held requests whose client left; tokens_charged_total minus this is what was charged in the end (with settle, the usage reported), which a bucket follows within its bounds (from minus its capacity to full).",
 			"tier", "dimension", "unit"),
 		local: counter("local_decisions_total",
 			"Requests decided without Redis by on_redis_error, by outcome (allowed, denied, unavailable).",
