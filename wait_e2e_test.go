@@ -1663,18 +1663,7 @@ func startH2CWaitGateway(t *testing.T, limits, extra string, seen func(r *http.R
 		fmt.Fprintf(w, "read %d", n)
 	}))
 	t.Cleanup(up.Close)
-	site := `
-	token_bucket {
-		redis redis://REDIS_ADDR {
-			timeout 30s
-		}
-		dimension user {http.request.header.X-User}
-		tier free {
-			` + limits + `
-		}
-		` + extra + `
-	}
-	reverse_proxy ` + strings.TrimPrefix(up.URL, "http://")
+	site := userLimit(limits, extra) + "\n\treverse_proxy " + strings.TrimPrefix(up.URL, "http://")
 	g := startGateway(t, site)
 	g.globals = "\tservers {\n\t\tprotocols h1 h2c\n\t}\n"
 	g.load(site)
