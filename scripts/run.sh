@@ -6,7 +6,10 @@
 # and runs Caddy in the foreground. Ctrl-C stops Caddy and Redis.
 #
 # Environment: GATEWAY_PORT (default 8080), UPSTREAM_PORT (default 8081),
-# CADDY_ADMIN (default localhost:2019; "off" disables the admin API).
+# CADDY_ADMIN (default localhost:2019; "off" disables the admin API),
+# REDIS_URL (default: the private redis-server; set, no Redis is started and
+# the gateway uses that one, e.g. another gateway's, whose limits it then
+# shares).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,8 +31,6 @@ free_port() {
 	return 1
 }
 
-scripts/install-redis.sh
-
 redis_dir="$(mktemp -d)"
 redis_pid=""
 caddy_pid=""
@@ -43,21 +44,30 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-redis_port="$(free_port)"
-redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no \
-	--dir "$redis_dir" --daemonize no --logfile "$redis_dir/redis.log" &
-redis_pid=$!
-for _ in $(seq 50); do
-	[ "$(redis-cli -p "$redis_port" ping 2>/dev/null)" = PONG ] && break
-	sleep 0.1
-done
-if [ "$(redis-cli -p "$redis_port" ping 2>/dev/null)" != PONG ]; then
-	echo "redis-server did not start on 127.0.0.1:$redis_port:" >&2
-	cat "$redis_dir/redis.log" >&2
-	exit 1
+start_redis() {
+	scripts/install-redis.sh
+	redis_port="$(free_port)"
+	redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no \
+		--dir "$redis_dir" --daemonize no --logfile "$redis_dir/redis.log" &
+	redis_pid=$!
+	for _ in $(seq 50); do
+		[ "$(redis-cli -p "$redis_port" ping 2>/dev/null)" = PONG ] && break
+		sleep 0.1
+	done
+	if [ "$(redis-cli -p "$redis_port" ping 2>/dev/null)" != PONG ]; then
+		echo "redis-server did not start on 127.0.0.1:$redis_port:" >&2
+		cat "$redis_dir/redis.log" >&2
+		exit 1
+	fi
+	export REDIS_URL="redis://127.0.0.1:$redis_port"
+	echo "redis-server on 127.0.0.1:$redis_port (pid $redis_pid, no persistence)"
+}
+
+if [ -n "${REDIS_URL:-}" ]; then
+	echo "using the Redis at $REDIS_URL (none started)"
+else
+	start_redis
 fi
-export REDIS_URL="redis://127.0.0.1:$redis_port"
-echo "redis-server on 127.0.0.1:$redis_port (pid $redis_pid, no persistence)"
 
 scripts/build-caddy.sh
 ./bin/caddy list-modules | grep -x 'http.handlers.token_bucket' >/dev/null ||
@@ -92,9 +102,9 @@ Try, in another terminal:
 
   # the buckets in Redis (hashed identities, never raw keys), without the
   # settlements' markers
-  redis-cli -p $redis_port --scan --pattern 'rl:*' | grep -v ':settled:'
+  redis-cli -u $REDIS_URL --scan --pattern 'rl:*' | grep -v ':settled:'
 
-Ctrl-C stops Caddy and Redis.
+Ctrl-C stops Caddy${redis_pid:+ and Redis}.
 
 MSG
 
