@@ -212,7 +212,7 @@ func (h *Handler) cachedDenial(v *verdict, x *exchange, tokens bool) bool {
 	if len(hits) == 0 {
 		return false
 	}
-	if h.maxWaitMS > 0 && !holdable(x) {
+	if h.maxWaitMS > 0 && !holdable(x) && !h.readsBody(x, tokens) {
 		for j, c := range hits {
 			if req.limits[c.i].period == 0 {
 				hits[j].waitMS += h.maxWaitMS
@@ -221,6 +221,19 @@ func (h *Handler) cachedDenial(v *verdict, x *exchange, tokens bool) bool {
 	}
 	cachedVerdict(v, x.tier, req, hits)
 	return true
+}
+
+// readsBody reports whether the estimate is still to read x's body, which
+// may make it holdable: on the deny cache's first look (requests limits,
+// before the body is read), for a request charged in tokens limits whose
+// body's length is unknown or within max_body. (A body of unknown length
+// over max_body is then invalid, or priced on_invalid unread; its
+// Retry-After from the cache is short by max_wait.)
+func (h *Handler) readsBody(x *exchange, tokens bool) bool {
+	if tokens || x.est.read || h.Estimate == nil || !x.req.hasTokens() {
+		return false
+	}
+	return x.r.ContentLength <= h.Estimate.MaxBody
 }
 
 // cachedVerdict sets v to the denial of req's buckets that the deny cache

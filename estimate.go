@@ -334,12 +334,13 @@ func (e *Estimate) readBody(w http.ResponseWriter, r *http.Request) ([]byte, err
 		if errors.As(err, new(*http.MaxBytesError)) {
 			return nil, errBodyTooLarge
 		}
-		if r.Context().Err() != nil || errors.As(err, new(*net.OpError)) {
-			// The request's context ends with an HTTP/2 or HTTP/3
-			// stream's reset; an HTTP/1.x connection reset fails the
-			// read. (One closed mid-body ends it early, as a client that
-			// half-closes after a body shorter than its Content-Length
-			// does, which is still there to read a 400.)
+		if errors.As(err, new(*net.OpError)) || r.ProtoMajor >= 2 && r.Context().Err() != nil {
+			// An HTTP/1.x connection reset fails the read; an HTTP/2 or
+			// HTTP/3 stream's reset ends the request's context. (An
+			// HTTP/1.x connection closed mid-body ends the read early and
+			// its context too, as a client that half-closes after a body
+			// shorter than its Content-Length does, which is still there
+			// to read the 400.)
 			return nil, errClientGone
 		}
 		return nil, errInvalidBody

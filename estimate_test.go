@@ -1,11 +1,13 @@
 package tokenbucket
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -275,7 +277,8 @@ func (b *goneBody) Read(p []byte) (int, error) {
 // ends the request's context) is a client gone, as one that leaves while
 // Redis decides: 499 logged, nothing decided, nothing charged, not counted
 // as invalid_body. A body shorter than its Content-Length is invalid: its
-// client may have half-closed the connection and still read the 400.
+// client may have half-closed the connection and still read the 400 (see
+// TestHalfClosedShortBodyIs400).
 func TestClientGoneMidBody(t *testing.T) {
 	srv := redistest.Start(t)
 	tier := uniqueTier("midbody")
@@ -291,15 +294,18 @@ func TestClientGoneMidBody(t *testing.T) {
 	cancel()
 	for _, tc := range []struct {
 		name    string
+		proto   int
 		ctx     context.Context
 		err     error
 		status  int
 		outcome string
 	}{
-		{"body shorter than Content-Length", context.Background(), io.ErrUnexpectedEOF, http.StatusBadRequest, "invalid_body"},
-		{"connection reset", context.Background(), reset, statusClientClosedRequest, ""},
-		{"stream reset", canceled, errors.New("http2: stream closed"), statusClientClosedRequest, ""},
-		{"body that fails otherwise", context.Background(), errors.New("malformed chunked encoding"), http.StatusBadRequest, "invalid_body"},
+		// net/http ends an HTTP/1.x request's context on any read error,
+		// the end of a half-closed connection included.
+		{"body shorter than Content-Length", 1, canceled, io.ErrUnexpectedEOF, http.StatusBadRequest, "invalid_body"},
+		{"connection reset", 1, canceled, reset, statusClientClosedRequest, ""},
+		{"stream reset", 2, canceled, errors.New("http2: stream closed"), statusClientClosedRequest, ""},
+		{"body that fails otherwise", 1, context.Background(), errors.New("malformed chunked encoding"), http.StatusBadRequest, "invalid_body"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			counters := map[string]prometheus.Counter{}
@@ -310,7 +316,7 @@ func TestClientGoneMidBody(t *testing.T) {
 			}
 			req := httptest.NewRequestWithContext(tc.ctx, http.MethodPost, "http://gateway.test/v1/chat/completions",
 				&goneBody{part: []byte(body[:20]), err: tc.err})
-			req.ContentLength = int64(len(body))
+			req.ContentLength, req.ProtoMajor = int64(len(body)), tc.proto
 			req.Header.Set("X-User", "leaver")
 			rec := httptest.NewRecorder()
 			req = caddyhttp.PrepareRequest(req, caddy.NewReplacer(), rec, &caddyhttp.Server{})
@@ -340,5 +346,43 @@ func TestClientGoneMidBody(t *testing.T) {
 				t.Errorf("keys written: %q", keys)
 			}
 		})
+	}
+}
+
+// TestHalfClosedShortBodyIs400: through Caddy, an HTTP/1.1 client sends
+// 40 bytes of a body whose Content-Length says 260, half-closes its
+// connection and reads: it gets 400 invalid_body, counted as such, and
+// nothing reaches the upstream or Redis. (net/http ends the request's
+// context at the half-close, as it does when a client goes away.)
+func TestHalfClosedShortBodyIs400(t *testing.T) {
+	lg := startLLMGateway(t, llmLimiter("user 10000 1/1h tokens", "cost estimate"))
+	invalid := decisions("free", "invalid_body")
+	before := scrape(t)[invalid]
+	conn, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", lg.port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	body := `{"model":"gpt-4o","messages":[{"role":"user","content":"hello"}]}`[:40]
+	if _, err := fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: gateway.test\r\nX-User: halfway\r\n"+
+		"Content-Type: application/json\r\nContent-Length: 260\r\n\r\n%s", body); err != nil {
+		t.Fatal(err)
+	}
+	if err := conn.(*net.TCPConn).CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	res, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatalf("no answer after the half-close: %v", err)
+	}
+	b, _ := io.ReadAll(res.Body)
+	if res.StatusCode != http.StatusBadRequest || !strings.Contains(string(b), `"invalid_body"`) {
+		t.Errorf("answer %d %q, want 400 invalid_body", res.StatusCode, b)
+	}
+	if got := scrape(t)[invalid] - before; got != 1 {
+		t.Errorf("decisions_total{outcome=\"invalid_body\"} grew by %v, want 1", got)
+	}
+	if keys := lg.keys(); len(keys) != 0 || len(lg.up.requests()) != 0 {
+		t.Errorf("keys %q, %d upstream requests; want none", keys, len(lg.up.requests()))
 	}
 }

@@ -65,9 +65,11 @@ func (h *Handler) reserve(x *exchange, reqs ...*request) bool {
 // 5.2) only for what the gateway reads, and Go's HTTP/2 server buffers at
 // most 1 MiB per connection. So a request there whose body was not read
 // and is longer than maxHeldBody, or of unknown length, is not held: it
-// is denied as on_limit reject denies. A GET, HEAD, OPTIONS or DELETE of
-// unknown length is held: HTTP/3 gives every request without
-// Content-Length an unknown one, and those methods send no body.
+// is denied as on_limit reject denies. On HTTP/3 a GET, HEAD, OPTIONS or
+// DELETE of unknown length is held: quic-go gives every request without
+// Content-Length an unknown one, and those methods send no body. (Go's
+// HTTP/2 server gives a request without a body the length 0: one of
+// unknown length there is sending a body.)
 func holdable(x *exchange) bool {
 	r := x.r
 	switch {
@@ -75,10 +77,11 @@ func holdable(x *exchange) bool {
 		return true
 	case r.ContentLength >= 0:
 		return r.ContentLength <= maxHeldBody
-	}
-	switch r.Method {
-	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodDelete:
-		return true
+	case r.ProtoMajor == 3:
+		switch r.Method {
+		case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodDelete:
+			return true
+		}
 	}
 	return false
 }

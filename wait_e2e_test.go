@@ -1596,14 +1596,14 @@ func TestWaitHTTP2HeldBodyLeavesTheConnectionFree(t *testing.T) {
 			heldArrived.Store(true)
 		}
 	})
-	if r, _, err := post(context.Background(), "held", 10); err != nil || r.status != http.StatusOK {
+	if r, _, err := post(context.Background(), "held", zeros(10)); err != nil || r.status != http.StatusOK {
 		t.Fatalf("first request: %v %d", err, r.status)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	heldDone := make(chan error, 1)
 	go func() {
-		r, _, err := post(ctx, "held", maxHeldBody)
+		r, _, err := post(ctx, "held", zeros(maxHeldBody))
 		if err == nil {
 			err = fmt.Errorf("answered %d %q", r.status, r.body)
 		}
@@ -1615,7 +1615,7 @@ func TestWaitHTTP2HeldBodyLeavesTheConnectionFree(t *testing.T) {
 		}
 		return nil
 	})
-	r, reused, err := post(context.Background(), "other", 64<<10)
+	r, reused, err := post(context.Background(), "other", zeros(64<<10))
 	if err != nil || r.status != http.StatusOK || r.body != fmt.Sprintf("read %d", 64<<10) {
 		t.Fatalf("the other identity's POST: %v %d %q, want 200 and its whole body upstream", err, r.status, r.body)
 	}
@@ -1628,10 +1628,10 @@ func TestWaitHTTP2HeldBodyLeavesTheConnectionFree(t *testing.T) {
 
 	// Longer than maxHeldBody, though its wait (about 30 s) is within
 	// max_wait: not held, denied with that wait.
-	if r, _, err := post(context.Background(), "big", 10); err != nil || r.status != http.StatusOK {
+	if r, _, err := post(context.Background(), "big", zeros(10)); err != nil || r.status != http.StatusOK {
 		t.Fatalf("big's first request: %v %d", err, r.status)
 	}
-	r, _, err = post(context.Background(), "big", maxHeldBody+1)
+	r, _, err = post(context.Background(), "big", zeros(maxHeldBody+1))
 	if err != nil || r.status != http.StatusTooManyRequests {
 		t.Fatalf("a POST of maxHeldBody+1 bytes: %v %d, want 429 at once", err, r.status)
 	}
@@ -1644,10 +1644,14 @@ func TestWaitHTTP2HeldBodyLeavesTheConnectionFree(t *testing.T) {
 	}
 }
 
-// h2cPost sends a POST of size zero bytes to /v1/files for user, over the
-// one HTTP/2 connection of its client, and reports whether the
-// connection was reused.
-type h2cPost func(ctx context.Context, user string, size int) (r e2eResponse, reused bool, err error)
+// h2cPost sends a POST of body to /v1/files for user, over the one HTTP/2
+// connection of its client, and reports whether the connection was
+// reused. A body of a bytes.Reader or strings.Reader is sent with its
+// Content-Length, any other of unknown length.
+type h2cPost func(ctx context.Context, user string, body io.Reader) (r e2eResponse, reused bool, err error)
+
+// zeros is a body of n zero bytes, sent with its length.
+func zeros(n int) io.Reader { return bytes.NewReader(make([]byte, n)) }
 
 // startH2CWaitGateway starts a gateway that speaks HTTP/2 without TLS
 // (h2c), limiting X-User with limits and the extra subdirectives, in
@@ -1672,8 +1676,8 @@ func startH2CWaitGateway(t *testing.T, limits, extra string, seen func(r *http.R
 	tr := &http.Transport{Protocols: &protocols}
 	t.Cleanup(tr.CloseIdleConnections)
 	client := &http.Client{Transport: tr, Timeout: time.Minute}
-	return func(ctx context.Context, user string, size int) (e2eResponse, bool, error) {
-		req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.url+"v1/files", bytes.NewReader(make([]byte, size)))
+	return func(ctx context.Context, user string, body io.Reader) (e2eResponse, bool, error) {
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.url+"v1/files", body)
 		if err != nil {
 			return e2eResponse{}, false, err
 		}
@@ -1703,7 +1707,7 @@ func startH2CWaitGateway(t *testing.T, limits, extra string, seen func(r *http.R
 // told 20.
 func TestWaitHTTP2UnheldRequestToldItsWholeWait(t *testing.T) {
 	post := startH2CWaitGateway(t, "user 1 1/30s", "on_limit wait 10s", nil)
-	if r, _, err := post(context.Background(), "big", 10); err != nil || r.status != http.StatusOK {
+	if r, _, err := post(context.Background(), "big", zeros(10)); err != nil || r.status != http.StatusOK {
 		t.Fatalf("the first request: %v %d", err, r.status)
 	}
 	for _, tc := range []struct {
@@ -1715,7 +1719,7 @@ func TestWaitHTTP2UnheldRequestToldItsWholeWait(t *testing.T) {
 		{"from the deny cache", maxHeldBody + 1, 29, 30},
 		{"from the deny cache, one that can be held", 10, 19, 20},
 	} {
-		r, _, err := post(context.Background(), "big", tc.size)
+		r, _, err := post(context.Background(), "big", zeros(tc.size))
 		if err != nil || r.status != http.StatusTooManyRequests {
 			t.Fatalf("%s: %v %d, want 429", tc.what, err, r.status)
 		}
@@ -1728,9 +1732,10 @@ func TestWaitHTTP2UnheldRequestToldItsWholeWait(t *testing.T) {
 // TestHoldable: which requests on_limit wait may hold. HTTP/1.x: all. On
 // HTTP/2 and HTTP/3: one whose body the estimate read (an empty one of
 // unknown length included), one whose body
-// will be read ahead whole (at most maxHeldBody), and a GET, HEAD,
-// OPTIONS or DELETE of unknown length (HTTP/3 gives every request without
-// Content-Length one); not a longer body, nor one of unknown length.
+// will be read ahead whole (at most maxHeldBody), and on HTTP/3 a GET,
+// HEAD, OPTIONS or DELETE of unknown length (quic-go gives every request
+// without Content-Length one); not a longer body, nor one of unknown
+// length (on HTTP/2, a GET of unknown length is sending a body).
 func TestHoldable(t *testing.T) {
 	e := &Estimate{}
 	if err := e.provision(); err != nil {
@@ -1756,6 +1761,7 @@ func TestHoldable(t *testing.T) {
 		{"HTTP/3 OPTIONS", 3, http.MethodOptions, -1, false, true},
 		{"HTTP/3 DELETE", 3, http.MethodDelete, -1, false, true},
 		{"HTTP/2 GET", 2, http.MethodGet, 0, false, true},
+		{"HTTP/2 GET, unknown length: sending a body", 2, http.MethodGet, -1, false, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := httptest.NewRequest(tc.method, "/v1/responses", http.NoBody)
@@ -1775,5 +1781,29 @@ func TestHoldable(t *testing.T) {
 				t.Errorf("holdable: %v, want %v", got, tc.want)
 			}
 		})
+	}
+}
+
+// TestWaitHTTP2CachedDenialOfABodyTheEstimateReads: "user 1 1/10s" and a
+// tokens limit priced by cost estimate, with on_limit wait 2s, over
+// HTTP/2. A POST of unknown length can be held once the estimate has read
+// its body: Redis's denial tells it Retry-After 8 (10 s, less max_wait).
+// The deny cache answers the next one before the body is read, and tells
+// it 8 too, not the 10 of a request that cannot be held.
+func TestWaitHTTP2CachedDenialOfABodyTheEstimateReads(t *testing.T) {
+	post := startH2CWaitGateway(t, "user 1 1/10s\n\t\t\tuser 1000000 1/1h tokens", "cost estimate\n\t\ton_limit wait 2s", nil)
+	const chat = `{"model":"gpt-4o","max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`
+	unknown := func() io.Reader { return io.MultiReader(strings.NewReader(chat)) } // no Content-Length
+	if r, _, err := post(context.Background(), "reader", strings.NewReader(chat)); err != nil || r.status != http.StatusOK {
+		t.Fatalf("the first request: %v %d %q", err, r.status, r.body)
+	}
+	for _, what := range []string{"from Redis", "from the deny cache"} {
+		r, _, err := post(context.Background(), "reader", unknown())
+		if err != nil || r.status != http.StatusTooManyRequests {
+			t.Fatalf("%s: %v %d %q, want 429", what, err, r.status, r.body)
+		}
+		if ra, _ := strconv.Atoi(r.header.Get("Retry-After")); ra < 7 || ra > 8 {
+			t.Errorf("%s: Retry-After %q, want 7 to 8 (10 s less max_wait)", what, r.header.Get("Retry-After"))
+		}
 	}
 }
