@@ -230,7 +230,6 @@ func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, v *verdict, rec 
 		return // no usage to settle with: the estimate stands
 	}
 	st := v.req.adjustments(&v.d, used, partial, v.local)
-	st.d = v.d // a copy: v stays on the stack
 	repl.Set("http.token_bucket.tokens_used", used)
 	if len(st.keys) == 0 {
 		countSettlement(settledOutcome)
@@ -385,6 +384,8 @@ func (req *request) adjustments(d *bucket.Decision, used int64, partial, local b
 			st.keys, st.adj, st.at = append(st.keys, req.keys[i]), append(st.adj, a), append(st.at, i)
 		}
 	}
-	st.req, st.local, st.used = req, local, used
+	// A copy of the decision, not a pointer into the verdict: the verdict
+	// stays on the stack.
+	st.req, st.d, st.local, st.used = req, *d, local, used
 	return st
 }
