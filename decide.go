@@ -223,17 +223,22 @@ func (h *Handler) cachedDenial(v *verdict, x *exchange, tokens bool) bool {
 	return true
 }
 
-// readsBody reports whether the estimate is still to read x's body, which
-// may make it holdable: on the deny cache's first look (requests limits,
-// before the body is read), for a request charged in tokens limits whose
-// body's length is unknown or within max_body. (A body of unknown length
-// over max_body is then invalid, or priced on_invalid unread; its
-// Retry-After from the cache is short by max_wait.)
+// readsBody reports whether the estimate is still to read x's body whole,
+// which makes it holdable: on the deny cache's first look (requests
+// limits, before the body is read), for a request charged in tokens limits
+// whose body is within max_body. A body of unknown length counts as read
+// only without on_invalid <cost>: over max_body it is then refused, where
+// on_invalid would price it unread and unholdable. (So such a body within
+// max_body is told max_wait more by the cache than by Redis: a Retry-After
+// too long, never one after which it is denied again.)
 func (h *Handler) readsBody(x *exchange, tokens bool) bool {
 	if tokens || x.est.read || h.Estimate == nil || !x.req.hasTokens() {
 		return false
 	}
-	return x.r.ContentLength <= h.Estimate.MaxBody
+	if n := x.r.ContentLength; n >= 0 {
+		return n <= h.Estimate.MaxBody
+	}
+	return h.Estimate.OnInvalid == nil || *h.Estimate.OnInvalid < 0
 }
 
 // cachedVerdict sets v to the denial of req's buckets that the deny cache

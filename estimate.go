@@ -172,7 +172,9 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 			// estimate reads. 0 tokens; usage its answer reports settles it.
 			return tokenEstimate{read: read}, nil
 		}
-		return e.invalid()
+		est, err := e.invalid()
+		est.read = read // a whole body priced on_invalid is in memory all the same
+		return est, err
 	}
 	if countsTokens(r.URL.Path) {
 		return tokenEstimate{model: req.Model, noInference: true, read: true}, nil

@@ -1807,3 +1807,61 @@ func TestWaitHTTP2CachedDenialOfABodyTheEstimateReads(t *testing.T) {
 		}
 	}
 }
+
+// TestReadsBody: on the deny cache's first look, before the estimate has
+// read a body, which bodies it will read whole (and so can be held): one
+// within max_body; one of unknown length unless on_invalid <cost> would
+// price it unread should it be longer. Not on the tokens look (the body
+// is read by then), nor without an estimate or tokens limits. And a body
+// that on_invalid prices once read whole is read: holdable.
+func TestReadsBody(t *testing.T) {
+	priced, refused := int64(5), int64(-1)
+	for _, tc := range []struct {
+		name      string
+		estimate  bool
+		onInvalid *int64
+		length    int64
+		tokens    bool // the deny cache's second look
+		noTokens  bool // the request has no tokens limit
+		want      bool
+	}{
+		{"within max_body", true, nil, 1000, false, false, true},
+		{"max_body exactly", true, nil, DefaultEstimateMaxBody, false, false, true},
+		{"over max_body", true, nil, DefaultEstimateMaxBody + 1, false, false, false},
+		{"unknown length", true, nil, -1, false, false, true},
+		{"unknown length, on_invalid 5", true, &priced, -1, false, false, false},
+		{"unknown length, on_invalid -1", true, &refused, -1, false, false, true},
+		{"the tokens look", true, nil, 1000, true, false, false},
+		{"no estimate", false, nil, 1000, false, false, false},
+		{"no tokens limit", true, nil, 1000, false, true, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := &Handler{}
+			if tc.estimate {
+				h.Estimate = &Estimate{OnInvalid: tc.onInvalid}
+				if err := h.Estimate.provision(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", nil)
+			r.ProtoMajor, r.ContentLength = 2, tc.length
+			req := &request{tokensCap: 1000}
+			if tc.noTokens {
+				req.tokensCap = -1
+			}
+			if got := h.readsBody(&exchange{inputs: inputs{r: r}, req: req}, tc.tokens); got != tc.want {
+				t.Errorf("readsBody: %v, want %v", got, tc.want)
+			}
+		})
+	}
+	e := &Estimate{OnInvalid: &priced}
+	if err := e.provision(); err != nil {
+		t.Fatal(err)
+	}
+	r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", io.MultiReader(strings.NewReader("not json")))
+	r.ProtoMajor, r.ContentLength = 2, -1
+	est, err := e.estimate(httptest.NewRecorder(), r, false)
+	if err != nil || est.prompt != 5 || !est.read || !holdable(&exchange{inputs: inputs{r: r, est: est}}) {
+		t.Errorf("an invalid body priced on_invalid 5: %+v, %v; want 5 tokens, read whole, holdable", est, err)
+	}
+}
