@@ -7,7 +7,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"math/rand/v2"
 	"net/http"
 	"os"
@@ -985,21 +984,11 @@ func TestSDKLongCompressedStreamSettles(t *testing.T) {
 	params := map[string]any{"stream_options": map[string]any{"include_usage": true}}
 
 	// The stream as the gateway sends it, compressed: over the bound.
-	req, err := http.NewRequest(http.MethodPost, lg.url+"v1/chat/completions",
-		strings.NewReader(`{"model":"gpt-4o-mini","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hi"}]}`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	req.Header.Set("X-User", "measure")
-	req.Header.Set("Accept-Encoding", "gzip")
-	res, err := lg.client.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	enc, err := io.ReadAll(res.Body)
-	res.Body.Close()
-	if err != nil || res.Header.Get("Content-Encoding") != "gzip" || len(enc) <= llm.MaxEncodedBody {
-		t.Fatalf("the stream: %v, Content-Encoding %q, %d bytes; want gzip, over %d", err, res.Header.Get("Content-Encoding"), len(enc), llm.MaxEncodedBody)
+	r, err := lg.do(context.Background(), http.MethodPost, "/v1/chat/completions",
+		`{"model":"gpt-4o-mini","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hi"}]}`,
+		"X-User", "measure", "Accept-Encoding", "gzip")
+	if err != nil || r.header.Get("Content-Encoding") != "gzip" || len(r.body) <= llm.MaxEncodedBody {
+		t.Fatalf("the stream: %v, Content-Encoding %q, %d bytes; want gzip, over %d", err, r.header.Get("Content-Encoding"), len(r.body), llm.MaxEncodedBody)
 	}
 
 	spec := llmSpec(t, capacity, "1/1h")
