@@ -212,7 +212,7 @@ func (h *Handler) cachedDenial(v *verdict, x *exchange, tokens bool) bool {
 	if len(hits) == 0 {
 		return false
 	}
-	if h.maxWaitMS > 0 && !holdable(x) && !h.readsBody(x, tokens) {
+	if h.maxWaitMS > 0 && !h.holdable(x) {
 		for j, c := range hits {
 			if req.limits[c.i].period == 0 {
 				hits[j].waitMS += h.maxWaitMS
@@ -221,24 +221,6 @@ func (h *Handler) cachedDenial(v *verdict, x *exchange, tokens bool) bool {
 	}
 	cachedVerdict(v, x.tier, req, hits)
 	return true
-}
-
-// readsBody reports whether the estimate is still to read x's body whole,
-// which makes it holdable: on the deny cache's first look (requests
-// limits, before the body is read), for a request charged in tokens limits
-// whose body is within max_body. A body of unknown length counts as read
-// only without on_invalid <cost>: over max_body it is then refused, where
-// on_invalid would price it unread and unholdable. (So such a body within
-// max_body is told max_wait more by the cache than by Redis: a Retry-After
-// too long, never one after which it is denied again.)
-func (h *Handler) readsBody(x *exchange, tokens bool) bool {
-	if tokens || x.est.read || h.Estimate == nil || !x.req.hasTokens() {
-		return false
-	}
-	if n := x.r.ContentLength; n >= 0 {
-		return n <= h.Estimate.MaxBody
-	}
-	return h.Estimate.OnInvalid == nil || *h.Estimate.OnInvalid < 0
 }
 
 // cachedVerdict sets v to the denial of req's buckets that the deny cache

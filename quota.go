@@ -39,7 +39,7 @@ func (h *Handler) quotaWindows(p bucket.Period, now time.Time) *bucket.Windows {
 // request that found every place taken and that a hold would serve). A
 // request that cannot be held (see holdable) takes none.
 func (h *Handler) reserve(x *exchange, reqs ...*request) bool {
-	if h.maxWaitMS == 0 || !holdable(x) {
+	if h.maxWaitMS == 0 || !h.holdable(x) {
 		return false
 	}
 	if h.waiting.Add(1) > int64(h.MaxWaiting) {
@@ -58,8 +58,9 @@ func (h *Handler) reserve(x *exchange, reqs ...*request) bool {
 }
 
 // holdable reports whether x's request may be held by on_limit wait: its
-// body has been read (by the estimate), or it will be read ahead whole
-// (see readAhead). On an HTTP/2 or HTTP/3 connection a held stream whose
+// body has been read (by the estimate), or will be (see readsBody: the deny
+// cache's first look comes before the estimate), or it will be read ahead
+// whole (see readAhead). On an HTTP/2 or HTTP/3 connection a held stream whose
 // body is not read stops the uploads of every other request on the
 // connection: the client gets flow-control credit (RFC 9113, section
 // 5.2) only for what the gateway reads, and Go's HTTP/2 server buffers at
@@ -70,20 +71,39 @@ func (h *Handler) reserve(x *exchange, reqs ...*request) bool {
 // Content-Length an unknown one, and those methods send no body. (Go's
 // HTTP/2 server gives a request without a body the length 0: one of
 // unknown length there is sending a body.)
-func holdable(x *exchange) bool {
+func (h *Handler) holdable(x *exchange) bool {
 	r := x.r
 	switch {
 	case r.ProtoMajor < 2 || x.est.read:
 		return true
-	case r.ContentLength >= 0:
-		return r.ContentLength <= maxHeldBody
-	case r.ProtoMajor == 3:
+	case r.ContentLength >= 0 && r.ContentLength <= maxHeldBody:
+		return true
+	case r.ContentLength < 0 && r.ProtoMajor == 3:
 		switch r.Method {
 		case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodDelete:
 			return true
 		}
 	}
-	return false
+	return h.readsBody(x)
+}
+
+// readsBody reports whether the estimate is still to read x's body whole
+// (its read is not yet done: the deny cache's first look, at the requests
+// limits, comes before it): a request charged in tokens limits whose body
+// is within max_body. A body of unknown length counts only without
+// on_invalid <cost>: over max_body it is then refused, where on_invalid
+// would price it unread and unholdable. (So such a body within max_body
+// is told max_wait more by the cache than by Redis: a Retry-After too
+// long, never one after which it is denied again.) Once the cost is set,
+// the estimate has run, and x.est.read says what it read.
+func (h *Handler) readsBody(x *exchange) bool {
+	if x.costSet || h.Estimate == nil || !x.req.hasTokens() {
+		return false
+	}
+	if n := x.r.ContentLength; n >= 0 {
+		return n <= h.Estimate.MaxBody
+	}
+	return h.Estimate.OnInvalid == nil || *h.Estimate.OnInvalid < 0
 }
 
 // reservable reports whether a reservation would have served denial d of

@@ -1777,7 +1777,7 @@ func TestHoldable(t *testing.T) {
 				}
 				x.est = est
 			}
-			if got := holdable(x); got != tc.want {
+			if got := (&Handler{}).holdable(x); got != tc.want {
 				t.Errorf("holdable: %v, want %v", got, tc.want)
 			}
 		})
@@ -1811,8 +1811,9 @@ func TestWaitHTTP2CachedDenialOfABodyTheEstimateReads(t *testing.T) {
 // TestReadsBody: on the deny cache's first look, before the estimate has
 // read a body, which bodies it will read whole (and so can be held): one
 // within max_body; one of unknown length unless on_invalid <cost> would
-// price it unread should it be longer. Not on the tokens look (the body
-// is read by then), nor without an estimate or tokens limits. And a body
+// price it unread should it be longer. Not once the estimate has run
+// (the cost is set: what it read is known), nor without an estimate or
+// tokens limits. And a body
 // that on_invalid prices once read whole is read: holdable.
 func TestReadsBody(t *testing.T) {
 	priced, refused := int64(5), int64(-1)
@@ -1821,7 +1822,7 @@ func TestReadsBody(t *testing.T) {
 		estimate  bool
 		onInvalid *int64
 		length    int64
-		tokens    bool // the deny cache's second look
+		priced    bool // the estimate has run (the deny cache's second look)
 		noTokens  bool // the request has no tokens limit
 		want      bool
 	}{
@@ -1831,7 +1832,7 @@ func TestReadsBody(t *testing.T) {
 		{"unknown length", true, nil, -1, false, false, true},
 		{"unknown length, on_invalid 5", true, &priced, -1, false, false, false},
 		{"unknown length, on_invalid -1", true, &refused, -1, false, false, true},
-		{"the tokens look", true, nil, 1000, true, false, false},
+		{"the estimate has run", true, nil, 1000, true, false, false},
 		{"no estimate", false, nil, 1000, false, false, false},
 		{"no tokens limit", true, nil, 1000, false, true, false},
 	} {
@@ -1849,7 +1850,7 @@ func TestReadsBody(t *testing.T) {
 			if tc.noTokens {
 				req.tokensCap = -1
 			}
-			if got := h.readsBody(&exchange{inputs: inputs{r: r}, req: req}, tc.tokens); got != tc.want {
+			if got := h.readsBody(&exchange{inputs: inputs{r: r, costSet: tc.priced}, req: req}); got != tc.want {
 				t.Errorf("readsBody: %v, want %v", got, tc.want)
 			}
 		})
@@ -1861,7 +1862,7 @@ func TestReadsBody(t *testing.T) {
 	r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", io.MultiReader(strings.NewReader("not json")))
 	r.ProtoMajor, r.ContentLength = 2, -1
 	est, err := e.estimate(httptest.NewRecorder(), r, false)
-	if err != nil || est.prompt != 5 || !est.read || !holdable(&exchange{inputs: inputs{r: r, est: est}}) {
+	if err != nil || est.prompt != 5 || !est.read || !(&Handler{Estimate: e}).holdable(&exchange{inputs: inputs{r: r, est: est, costSet: true}}) {
 		t.Errorf("an invalid body priced on_invalid 5: %+v, %v; want 5 tokens, read whole, holdable", est, err)
 	}
 }
