@@ -262,17 +262,27 @@ func wantUpstreamBody(t *testing.T, seen llmSeen, want string) {
 // sdkUsage is what the stand-in reports to OpenAI chat requests: 21 tokens.
 var sdkUsage = providertest.Usage{Input: 12, Output: 9}
 
+// settleLimiter is llmLimiter with a tokens limit, cost estimate and
+// settle, on tier (the metrics' tier label).
+func settleLimiter(tier string) string {
+	return strings.Replace(llmLimiter("user 100000 1/1h tokens", "cost estimate\n\t\t\tsettle"), "tier free", "tier "+tier, 1)
+}
+
 // testOpenAIChatSettles runs three chat completions of one user through the
 // SDK and checks that the bucket is charged exactly 3 × 21 tokens, each
-// settlement exactly as the model says; wantEncoding is the
-// Content-Encoding the SDK must see.
-func testOpenAIChatSettles(t *testing.T, lg *llmGateway, wantEncoding string) {
+// settlement exactly as the model says, and that the metrics of tier say
+// so: the estimates charged, all but the 21 used of each given back;
+// wantEncoding is the Content-Encoding the SDK must see.
+func testOpenAIChatSettles(t *testing.T, lg *llmGateway, tier, wantEncoding string) {
 	const capacity = 100000
 	spec := llmSpec(t, capacity, "1/1h")
 	user := "sdk-" + strings.ReplaceAll(t.Name(), "/", "-")
 	key := bucket.NewKeyer("rl:", "").Key("user", user, "tokens")
 	lg.up.watchKeys(lg.rdb, key)
 	used := sdkUsage.Total(providertest.ChatCompletions)
+	chargedS := series("caddy_token_bucket_tokens_charged_total", "tier", tier, "dimension", "user", "unit", "tokens")
+	refundedS := series("caddy_token_bucket_tokens_refunded_total", "tier", tier, "dimension", "user", "unit", "tokens")
+	estimates := int64(0)
 	for i := 1; i <= 3; i++ {
 		c := runSDK(t, "openai.chat", lg.url, sdkOptions{Headers: map[string]string{"X-User": user}, Params: map[string]any{"max_tokens": 100}})[0]
 		a := okCall(t, fmt.Sprintf("request %d", i), c)
@@ -304,6 +314,16 @@ func testOpenAIChatSettles(t *testing.T, lg *llmGateway, wantEncoding string) {
 		if got, want := wholeTokens(after), capacity-int64(i)*used; got != want {
 			t.Errorf("after request %d: %d whole tokens, want %d: %d × %d used, not the estimate %d", i, got, want, i, used, charged)
 		}
+		// The handler counts the settlement once Redis has answered it.
+		estimates += charged
+		var m metricSet
+		redistest.WaitFor(t, time.Minute, "the settlement in the metrics", func() error {
+			if m = scrape(t); m[chargedS]-m[refundedS] != float64(int64(i)*used) {
+				return fmt.Errorf("charged %v, refunded %v", m[chargedS], m[refundedS])
+			}
+			return nil
+		})
+		m.want(t, fmt.Sprintf("request %d", i), check{chargedS, float64(estimates)}, check{refundedS, float64(estimates - int64(i)*used)})
 	}
 }
 
@@ -312,17 +332,19 @@ func testOpenAIChatSettles(t *testing.T, lg *llmGateway, wantEncoding string) {
 // Accept-Encoding: gzip, deflate): each is charged the 21 tokens reported,
 // not the estimate; three requests leave exactly 3 × 21 charged.
 func TestSDKOpenAIChatGzipSettlesUsage(t *testing.T) {
-	lg := sdkGateway(t, llmLimiter("user 100000 1/1h tokens", "cost estimate\n\t\t\tsettle"), sdkUsage)
+	tier := uniqueTier("sdk_gzip")
+	lg := sdkGateway(t, settleLimiter(tier), sdkUsage)
 	lg.up.SetEncodings("gzip")
-	testOpenAIChatSettles(t, lg, "gzip")
+	testOpenAIChatSettles(t, lg, tier, "gzip")
 }
 
 // TestSDKOpenAIChatIdentitySettlesUsage: the same with a provider that
 // does not compress: the plain case the compressed ones must match.
 func TestSDKOpenAIChatIdentitySettlesUsage(t *testing.T) {
-	lg := sdkGateway(t, llmLimiter("user 100000 1/1h tokens", "cost estimate\n\t\t\tsettle"), sdkUsage)
+	tier := uniqueTier("sdk_identity")
+	lg := sdkGateway(t, settleLimiter(tier), sdkUsage)
 	lg.up.SetEncodings()
-	testOpenAIChatSettles(t, lg, "")
+	testOpenAIChatSettles(t, lg, tier, "")
 }
 
 // TestSDKOpenAIChatEncodeSettlesUsage: the provider does not compress,
@@ -330,13 +352,14 @@ func TestSDKOpenAIChatIdentitySettlesUsage(t *testing.T) {
 // so token_bucket sees what encode writes) compresses the answer: settled
 // the same, exactly 3 × 21.
 func TestSDKOpenAIChatEncodeSettlesUsage(t *testing.T) {
-	lg := sdkGateway(t, llmLimiter("user 100000 1/1h tokens", "cost estimate\n\t\t\tsettle")+"\n\t\tencode gzip", sdkUsage)
+	tier := uniqueTier("sdk_encode")
+	lg := sdkGateway(t, settleLimiter(tier)+"\n\t\tencode gzip", sdkUsage)
 	lg.up.SetEncodings()
 	lg.up.SetReply(func(*providertest.Request) providertest.Reply {
 		u := sdkUsage
 		return providertest.Reply{Usage: &u, Text: longAnswer}
 	})
-	testOpenAIChatSettles(t, lg, "gzip")
+	testOpenAIChatSettles(t, lg, tier, "gzip")
 }
 
 // chatChunks checks the chunks of a chat completion stream: every chunk
@@ -892,7 +915,10 @@ func TestSDKOpenAIModelsList(t *testing.T) {
 // estimates short; a 400 the same, after its one attempt.
 func TestSDKFailedCallsGiveTheEstimateBack(t *testing.T) {
 	const capacity = 100000
-	lg := sdkGateway(t, llmLimiter("user 100000 1/1h tokens", "cost estimate\n\t\t\tsettle"), sdkUsage)
+	tier := uniqueTier("sdk_failed")
+	lg := sdkGateway(t, settleLimiter(tier), sdkUsage)
+	chargedS := series("caddy_token_bucket_tokens_charged_total", "tier", tier, "dimension", "user", "unit", "tokens")
+	refundedS := series("caddy_token_bucket_tokens_refunded_total", "tier", tier, "dimension", "user", "unit", "tokens")
 	for _, tc := range []struct {
 		name, scenario string
 		status         int
@@ -908,12 +934,14 @@ func TestSDKFailedCallsGiveTheEstimateBack(t *testing.T) {
 			})
 			user := "failed-" + tc.name
 			key := bucket.NewKeyer("rl:", "").Key("user", user, "tokens")
-			before := len(lg.up.Requests())
+			before, metricsBefore := len(lg.up.Requests()), scrape(t)
 			c := runSDK(t, tc.scenario, lg.url, sdkOptions{Headers: map[string]string{"X-User": user}, Params: map[string]any{"max_tokens": 4096}})[0]
 			if c.Error == nil || c.Error.Status != tc.status || len(c.Attempts) != tc.attempts {
 				t.Fatalf("the SDK: error %+v, attempts %+v; want %d attempts, then an error with status %d", c.Error, c.Attempts, tc.attempts, tc.status)
 			}
+			estimates := int64(0)
 			for i, a := range c.Attempts {
+				estimates += estimatedCost(t, a)
 				if a.Status != tc.status || estimatedCost(t, a) < 4096 {
 					t.Errorf("attempt %d: status %d, estimated cost %s; want %d, charged the 4096-token budget and more", i, a.Status, a.Headers["x-estimated-cost"], tc.status)
 				}
@@ -925,6 +953,18 @@ func TestSDKFailedCallsGiveTheEstimateBack(t *testing.T) {
 			// A bucket settled back to full has no key: expiry is a full bucket.
 			if st, ok := lg.state(key); ok && wholeTokens(st) != capacity {
 				t.Errorf("after %d failed attempts the bucket holds %d whole tokens, want %d: every estimate given back", tc.attempts, wholeTokens(st), capacity)
+			}
+			// Each estimate charged, and given back once its settlement is
+			// counted (after Redis has answered it).
+			var m metricSet
+			redistest.WaitFor(t, time.Minute, "the refunds in the metrics", func() error {
+				if m = scrape(t); m[refundedS]-metricsBefore[refundedS] != float64(estimates) {
+					return fmt.Errorf("refunded %v of %d", m[refundedS]-metricsBefore[refundedS], estimates)
+				}
+				return nil
+			})
+			if got := m[chargedS] - metricsBefore[chargedS]; got != float64(estimates) {
+				t.Errorf("tokens_charged_total grew by %v, want the %d estimated", got, estimates)
 			}
 		})
 	}
