@@ -245,8 +245,11 @@ func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, v *verdict, rec 
 	sent := time.Now()
 	err := h.conn.settle(context.WithoutCancel(r.Context()), st.id, st.keys, st.adj)
 	mayHaveRun := err != nil && !neverSent(err)
-	if err != nil && h.retrySettle(sent, st, mayHaveRun, err) {
-		return
+	if err != nil {
+		h.landed(&st, err)
+		if h.retrySettle(sent, st, mayHaveRun, err) {
+			return
+		}
 	}
 	h.settled(st, err, mayHaveRun)
 }
@@ -262,7 +265,8 @@ type settlement struct {
 	keys  []string
 	adj   []bucket.Adjust
 	at    []int
-	used  int64 // the tokens the response reports
+	used  int64  // the tokens the response reports
+	done  []bool // nil, or which buckets a call settled in part settled
 }
 
 // neverSent reports whether err proves that a settlement never reached
@@ -325,6 +329,7 @@ func (h *Handler) retrySettle(sent time.Time, st settlement, mayHaveRun bool, er
 				break
 			}
 			mayHaveRun = mayHaveRun || !neverSent(err)
+			h.landed(&st, err)
 		}
 		h.settled(st, err, mayHaveRun)
 	}()
@@ -333,8 +338,8 @@ func (h *Handler) retrySettle(sent time.Time, st settlement, mayHaveRun bool, er
 
 // settled records the end of a settlement: failed with err, the estimate
 // standing unless mayHaveRun (a call that failed may have run in Redis,
-// its reply lost), or done: counted in the metrics, after which a cached
-// denial of a bucket given tokens back no longer holds.
+// its reply lost), or done, its buckets recorded (see applied), but those
+// that a call settled in part recorded already.
 func (h *Handler) settled(st settlement, err error, mayHaveRun bool) {
 	switch {
 	case err != nil && mayHaveRun:
@@ -349,12 +354,57 @@ func (h *Handler) settled(st settlement, err error, mayHaveRun bool) {
 		return
 	}
 	countSettlement(settledOutcome)
+	if done := st.done; done != nil {
+		st = st.only(func(i int) bool { return !done[i] })
+	}
+	h.applied(st)
+}
+
+// landed records the buckets that err, a settlement's failed call, names
+// as settled (a *bucket.PartialSettleError: Redis Cluster settled some
+// hash-tag groups), those not recorded before (see applied), and marks
+// them done in st.
+func (h *Handler) landed(st *settlement, err error) {
+	var p *bucket.PartialSettleError
+	if !errors.As(err, &p) {
+		return
+	}
+	if st.done == nil {
+		st.done = make([]bool, len(st.keys))
+	}
+	now := make([]bool, len(st.keys))
+	for _, i := range p.Settled {
+		now[i] = !st.done[i]
+		st.done[i] = true
+	}
+	h.applied(st.only(func(i int) bool { return now[i] }))
+}
+
+// applied records buckets of a settlement as settled: their tokens in the
+// metrics, and, for those given tokens back, the end of their cached
+// denials (Redis decides again).
+func (h *Handler) applied(st settlement) {
 	h.metrics.settledTokens(st.req, &st.d, st.at, st.adj, st.local)
-	if h.denials != nil && !st.local && st.adj[0].Delta < 0 {
-		for _, k := range st.keys {
-			h.denials.Forget(k) // tokens came back: let Redis decide again
+	if h.denials == nil || st.local {
+		return
+	}
+	for i, k := range st.keys {
+		if st.adj[i].Delta < 0 {
+			h.denials.Forget(k)
 		}
 	}
+}
+
+// only returns st with the buckets i (in st.keys) for which keep(i).
+func (st settlement) only(keep func(i int) bool) settlement {
+	keys, adj, at := st.keys, st.adj, st.at
+	st.keys, st.adj, st.at = nil, nil, nil
+	for i := range keys {
+		if keep(i) {
+			st.keys, st.adj, st.at = append(st.keys, keys[i]), append(st.adj, adj[i]), append(st.at, at[i])
+		}
+	}
+	return st
 }
 
 // adjustments returns the settlement of req, decided as d, when its

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -16,9 +17,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/sony/gobreaker/v2"
 	"go.uber.org/zap"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
 	"github.com/token-bucket/token_bucket/bucket"
 	"github.com/token-bucket/token_bucket/internal/providertest"
@@ -383,5 +388,115 @@ func TestSettlementFailureOutcome(t *testing.T) {
 				t.Errorf("%v (may have run %v): settlements_total{outcome=%q} grew by %v, want %v", tc.err, tc.mayHaveRun, o, got, want)
 			}
 		}
+	}
+}
+
+// TestClusterSettlementInPart: on Redis Cluster a request's user and org
+// buckets live on different nodes, and the org's node dies while the
+// answer is on its way. The settlement lands in the user's group alone:
+// its refund is counted in tokens_refunded_total (the org's is not) and
+// ends the user's cached denial, so a request that the refund makes
+// affordable is decided by Redis and allowed, not denied from the cache.
+// The org's settlement stays unknown (settlements_total{outcome=
+// "unknown"}) once its retry fails, and the user's refund is counted
+// once.
+func TestClusterSettlementInPart(t *testing.T) {
+	cluster := redistest.StartCluster(t, 3)
+	// A timeout long enough that one retry is made, 1 s after the first
+	// call, and no other (see settleRetryable). Both fail on the dead
+	// node, and the retry settles nothing again in the user's group.
+	rc := &RedisConfig{Address: cluster.Addrs(), Cluster: true, Timeout: caddy.Duration(28 * time.Second), BreakerFailures: 100}
+	tier := uniqueTier("partial")
+	h := provisionHandler(t, &Handler{
+		Redis: rc,
+		Dimensions: []Dimension{
+			{Name: "user", Identity: "{http.request.header.X-User}"},
+			{Name: "org", Identity: "{http.request.header.X-Org}"},
+		},
+		Tiers: []Tier{{Name: tier, Limits: []Limit{
+			{Dimension: "user", Capacity: 1000, RefillRate: foHour, Unit: "tokens"},
+			{Dimension: "org", Capacity: 1000, RefillRate: foHour, Unit: "tokens"},
+		}}},
+		Estimate: &Estimate{},
+		Settle:   &Settle{},
+	})
+	userKey := h.keyer.Key("user", "u", "tokens")
+	userNode := cluster.NodeOf(t, userKey)
+	orgOn := func(same bool) string {
+		for i := 0; ; i++ {
+			org := "org" + strconv.Itoa(i)
+			if (cluster.NodeOf(t, h.keyer.Key("org", org, "tokens")) == userNode) == same {
+				return org
+			}
+		}
+	}
+	farOrg, nearOrg := orgOn(false), orgOn(true)
+	orgNode := cluster.NodeOf(t, h.keyer.Key("org", farOrg, "tokens"))
+	chat := func(maxTokens int) string {
+		return `{"model":"gpt-test","messages":[{"role":"user","content":"0123456789012345678901234567890123456789"}],"max_tokens":` + strconv.Itoa(maxTokens) + `}`
+	}
+	post := func(org, body string, next caddyhttp.HandlerFunc) int {
+		req := httptest.NewRequest(http.MethodPost, "http://gateway.test/v1/chat/completions", strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("X-User", "u")
+		req.Header.Set("X-Org", org)
+		rec := httptest.NewRecorder()
+		req = caddyhttp.PrepareRequest(req, caddy.NewReplacer(), rec, &caddyhttp.Server{})
+		err := h.ServeHTTP(rec, req, next)
+		var he caddyhttp.HandlerError
+		if errors.As(err, &he) {
+			return he.StatusCode
+		}
+		if err != nil {
+			t.Fatalf("ServeHTTP: %v", err)
+		}
+		return rec.Code
+	}
+	answer := func(w http.ResponseWriter, _ *http.Request) error {
+		w.Header().Set("Content-Type", "application/json")
+		_, err := io.WriteString(w, `{"id":"c","object":"chat.completion","choices":[],"usage":{"prompt_tokens":10,"completion_tokens":20,"total_tokens":30}}`)
+		return err
+	}
+	counter := func(c *prometheus.CounterVec, dimension string) float64 {
+		return testutil.ToFloat64(c.WithLabelValues(tier, dimension, "tokens"))
+	}
+	unknown := func() float64 { return testutil.ToFloat64(tbMetrics.settleChildren[settleUnknownOutcome]) }
+	unknownBefore := unknown()
+
+	// The first request is charged 500 (10 + 490) on each bucket; its
+	// answer comes after a request for 600 more is denied, from Redis,
+	// which the deny cache keeps, and after the org's node dies.
+	status := post(farOrg, chat(490), func(w http.ResponseWriter, r *http.Request) error {
+		if s := post(nearOrg, chat(590), answer); s != http.StatusTooManyRequests {
+			t.Errorf("the request for 600: %d, want 429", s)
+		}
+		orgNode.Stop()
+		return answer(w, r)
+	})
+	if status != http.StatusOK {
+		t.Fatalf("the first request: %d", status)
+	}
+	redistest.WaitFor(t, time.Minute, "the settlement to end", func() error {
+		if n := unknown() - unknownBefore; n != 1 {
+			return fmt.Errorf("settlements_total{outcome=unknown} grew by %v, want 1", n)
+		}
+		return nil
+	})
+	if got := storedTokens(t, userNode.Client(t), userKey); got != 970 {
+		t.Errorf("the user's bucket holds %d tokens, want 970: 1000 less the 30 used", got)
+	}
+	for _, c := range []struct {
+		dimension         string
+		charged, refunded float64
+	}{{"user", 500, 470}, {"org", 500, 0}} {
+		if got := counter(tbMetrics.charged, c.dimension); got != c.charged {
+			t.Errorf("tokens_charged_total{dimension=%q} = %v, want %v", c.dimension, got, c.charged)
+		}
+		if got := counter(tbMetrics.refunded, c.dimension); got != c.refunded {
+			t.Errorf("tokens_refunded_total{dimension=%q} = %v, want %v", c.dimension, got, c.refunded)
+		}
+	}
+	if s := post(nearOrg, chat(590), answer); s != http.StatusOK {
+		t.Errorf("the request for 600 after the refund: %d, want 200 (Redis decides again)", s)
 	}
 }

@@ -53,34 +53,48 @@ func (s Redis) Settle(ctx context.Context, id string, keys []string, adj []Adjus
 }
 
 // Settle settles each hash-tag group of keys in its own call (one marker
-// per group, on the group's slot). A call that fails after another
-// group's call succeeded is a *PartialSettleError: part of the settlement
-// stands, whatever the failed call's error says of that call.
+// per group, on the group's slot), every group even when one fails. When
+// some groups' calls fail and others succeed, the error is a
+// *PartialSettleError naming the buckets that settled: that part of the
+// settlement stands, whatever the failed calls' errors say of theirs.
 func (s Sharded) Settle(ctx context.Context, id string, keys []string, adj []Adjust) (bool, error) {
 	settled := false
-	for n, idx := range groupByTag(keys) {
+	var done []int
+	var first error
+	for _, idx := range groupByTag(keys) {
 		gk := make([]string, 0, len(idx))
 		ga := make([]Adjust, 0, len(idx))
 		for _, i := range idx {
 			gk, ga = append(gk, keys[i]), append(ga, adj[i])
 		}
 		ok, err := Redis{Client: s.Client}.Settle(ctx, id, gk, ga)
-		if err != nil && n > 0 {
-			return settled, &PartialSettleError{Err: err}
-		}
 		if err != nil {
-			return settled, err
+			if first == nil {
+				first = err
+			}
+			continue
 		}
+		done = append(done, idx...)
 		settled = settled || ok
 	}
-	return settled, nil
+	switch {
+	case first == nil:
+		return settled, nil
+	case len(done) > 0:
+		return settled, &PartialSettleError{Err: first, Settled: done}
+	}
+	return false, first
 }
 
 // PartialSettleError is a settlement of several hash-tag groups (Sharded)
-// whose call for one group failed with Err after an earlier group's call
-// succeeded: that group is settled (its marker set), and a retry settles
-// the rest once.
-type PartialSettleError struct{ Err error }
+// whose calls for some groups failed, the first with Err, while the
+// others' succeeded: the buckets of those (Settled, their indexes in the
+// keys given to Settle, ascending within a group) are settled, their
+// markers set, and a retry settles the rest once.
+type PartialSettleError struct {
+	Err     error
+	Settled []int
+}
 
 func (e *PartialSettleError) Error() string {
 	return "settled in part, the other hash-tag groups failed: " + e.Err.Error()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -138,6 +139,9 @@ func TestShardedSettleInPart(t *testing.T) {
 	if !ok || !errors.As(err, &partial) || !errors.As(err, new(*net.OpError)) {
 		t.Fatalf("settled %v, error %v; want settled, a *PartialSettleError around the dial error", ok, err)
 	}
+	if !slices.Equal(partial.Settled, []int{0}) {
+		t.Fatalf("settled buckets %v, want [0] (the user's)", partial.Settled)
+	}
 	if u, o := tokens(user), tokens(org); u != 900 || o != 500 {
 		t.Fatalf("after the partial settlement: user %d, org %d tokens; want 900 and 500", u, o)
 	}
@@ -147,8 +151,18 @@ func TestShardedSettleInPart(t *testing.T) {
 	if u, o := tokens(user), tokens(org); u != 900 || o != 900 {
 		t.Errorf("after the retry: user %d, org %d tokens; want 900 each (the user group settled once)", u, o)
 	}
-	_, err = Sharded{Client: downFor{rdb, "{user:"}}.Settle(ctx, "req-2", []string{user, org}, adj)
-	if err == nil || errors.As(err, &partial) {
-		t.Errorf("the first group failing: %v, want its dial error alone", err)
+	// The first group failing, the second is settled all the same.
+	adj = []Adjust{{Spec: spec, Delta: -50}, {Spec: spec, Delta: -50}}
+	ok, err = Sharded{Client: downFor{rdb, "{user:"}}.Settle(ctx, "req-2", []string{user, org}, adj)
+	if !ok || !errors.As(err, &partial) || !slices.Equal(partial.Settled, []int{1}) {
+		t.Fatalf("the first group failing: settled %v, %v; want settled, the org's bucket alone", ok, err)
+	}
+	if u, o := tokens(user), tokens(org); u != 900 || o != 950 {
+		t.Errorf("after the second partial settlement: user %d, org %d tokens; want 900 and 950", u, o)
+	}
+	// Every group failing is the first group's error alone.
+	ok, err = Sharded{Client: downFor{rdb, "{"}}.Settle(ctx, "req-3", []string{user, org}, adj)
+	if ok || err == nil || errors.As(err, &partial) || !errors.As(err, new(*net.OpError)) {
+		t.Errorf("every group failing: settled %v, %v; want its dial error alone", ok, err)
 	}
 }
