@@ -874,3 +874,22 @@ func TestModelBucketsNeedAReadableBody(t *testing.T) {
 		})
 	}
 }
+
+// TestModelScopedQuotaBesideBucket: a quota scoped by models is a scope of
+// its own beside a bucket of the same dimension, unit and models (as
+// validate counts them): both apply to a gpt-4o request, and the quota
+// denies what the bucket would allow.
+func TestModelScopedQuotaBesideBucket(t *testing.T) {
+	lg := startLLMGateway(t, modelLimiter(`api_key 1000 1/1h tokens models gpt-4o
+				api_key 300 per day tokens models gpt-4o`, ""))
+	r := lg.post("/v1/chat/completions", modelChat("gpt-4o", 100), "X-API-Key", "sk-scoped-quota")
+	if r.status != http.StatusOK {
+		t.Fatalf("the first request: %d: %s", r.status, r.body)
+	}
+	wantItems(t, "the first request", r.header, "api_key-tokens@gpt-4o", 900, "api_key-tokens-per-day@gpt-4o", 200)
+	r = lg.post("/v1/chat/completions", modelChat("gpt-4o", 250), "X-API-Key", "sk-scoped-quota")
+	if r.status != http.StatusTooManyRequests || !strings.Contains(r.body, `"rate_limit_exceeded"`) {
+		t.Fatalf("250 tokens with 200 left of the day's 300: %d: %s; want 429 rate_limit_exceeded", r.status, r.body)
+	}
+	wantItems(t, "the denial", r.header, "api_key-tokens-per-day@gpt-4o", 200)
+}

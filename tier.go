@@ -81,7 +81,9 @@ func compileTiers(dims []Dimension, tiers []Tier, defaultTier string, share floa
 				cl.keyUnit = strings.TrimPrefix(cl.keyUnit+":shadow", ":")
 			}
 			if len(l.Models) > 0 {
-				group := l.Dimension + " " + l.unit() + " " + strconv.FormatBool(cl.shadow)
+				// As validate counts them: a quota and a shadow limit
+				// each have a scope of their own.
+				group := l.Dimension + " " + l.unit() + " " + l.Period + " " + strconv.FormatBool(cl.shadow)
 				if scopes[group] == 0 {
 					scopes[group] = 1 << len(scopes) // at most maxScopes, validated
 				}
