@@ -168,7 +168,14 @@ func (h *Handler) compile() error {
 		h.idSources[i] = newIDSource(d.Identity)
 	}
 	h.cost, _ = staticCost(h.Cost)
-	h.keyer = bucket.NewKeyer(h.KeyPrefix, caddy.NewReplacer().ReplaceKnown(h.KeySecret, ""))
+	// An unknown placeholder is an error, not a secret of its own text;
+	// one that evaluates empty (an unset variable) means no secret, which
+	// Provision logs. The error names the placeholder, never the secret.
+	secret, err := caddy.NewReplacer().ReplaceOrErr(h.KeySecret, false, true)
+	if err != nil {
+		return fmt.Errorf("key_secret: %v", err)
+	}
+	h.keyer = bucket.NewKeyer(h.KeyPrefix, secret)
 	if h.now == nil {
 		h.now = time.Now
 	}

@@ -3,12 +3,16 @@ package tokenbucket
 import (
 	"encoding/json"
 	"fmt"
+	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddytest"
+
+	"github.com/token-bucket/token_bucket/bucket"
+	"github.com/token-bucket/token_bucket/internal/redistest"
 )
 
 // Configuration errors, each naming the field and the bad value: the
@@ -253,6 +257,7 @@ var jsonErrorCases = []struct {
 	{"local_share above one", jsonErrorField(`"local_share": 1.5`), `local_share 1.5: must be a fraction > 0 and ≤ 1`},
 	{"redis db negative", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"address": ["127.0.0.1:1"], "db": -1`, 1), `redis.db -1: must be a whole number ≥ 0 (0: the default)`},
 	{"redis timeout negative", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"address": ["127.0.0.1:1"], "timeout": "-1s"`, 1), `redis.timeout -1s: must be a duration > 0`},
+	{"key_secret unknown placeholder", jsonErrorField(`"key_secret": "{secret.key}"`), `key_secret: unrecognized placeholder {secret.key}`},
 	{"redis url scheme", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"url": "http://127.0.0.1:1"`, 1), `redis.url: `},
 }
 
@@ -338,5 +343,34 @@ func TestJSONConfigErrorsThroughLoad(t *testing.T) {
 				t.Errorf("/load error = %v\nwant it to contain %s", err, tc.want)
 			}
 		})
+	}
+}
+
+// TestKeySecretUnsetVariable: a key_secret placeholder that evaluates
+// empty (an unset variable) leaves the identities hashed with plain
+// SHA-256, as the README says, and says so in the log at load; a set one
+// keys the hash.
+func TestKeySecretUnsetVariable(t *testing.T) {
+	handler := func(secret string) *Handler {
+		return &Handler{
+			Redis:      &RedisConfig{Address: []string{"127.0.0.1:" + strconv.Itoa(redistest.FreePort(t))}},
+			Dimensions: []Dimension{{Name: "user", Identity: "{http.request.header.X-User}"}},
+			Tiers:      []Tier{{Name: "free", Limits: []Limit{{Dimension: "user", Capacity: 10, RefillRate: 1}}}},
+			KeySecret:  secret,
+		}
+	}
+	logs := foCaptureLogs(t, t.TempDir(), handler("{env.TOKEN_BUCKET_TEST_UNSET_SECRET}"))
+	const warning = `key_secret evaluated empty: identities are hashed with plain SHA-256, so a reader of Redis can test guesses of them`
+	if got := logs(); !strings.Contains(got, warning) || !strings.Contains(got, `"key_secret": "{env.TOKEN_BUCKET_TEST_UNSET_SECRET}"`) {
+		t.Errorf("the load's log does not warn of the empty key_secret:\n%s", got)
+	}
+	t.Setenv("TOKEN_BUCKET_TEST_SECRET", "s3cret")
+	h := handler("{env.TOKEN_BUCKET_TEST_SECRET}")
+	logs = foCaptureLogs(t, t.TempDir(), h)
+	if got := logs(); strings.Contains(got, "key_secret") {
+		t.Errorf("a set key_secret is logged:\n%s", got)
+	}
+	if want := bucket.NewKeyer("rl:", "s3cret").Key("user", "alice", ""); h.keyer.Key("user", "alice", "") != want || !h.keyer.Keyed() {
+		t.Errorf("the key of alice is %q, want %q (HMAC under the variable's value)", h.keyer.Key("user", "alice", ""), want)
 	}
 }

@@ -53,8 +53,10 @@ type Handler struct {
 	// KeySecret, when set, makes <id> an HMAC-SHA-256 of the identity under
 	// this secret instead of a plain SHA-256, so that a reader of Redis
 	// cannot test guesses of an identity. Placeholders work
-	// ("{env.TOKEN_BUCKET_KEY_SECRET}"). Changing it starts every bucket
-	// afresh.
+	// ("{env.TOKEN_BUCKET_KEY_SECRET}"): an unknown placeholder is a config
+	// error, and one that evaluates empty (an unset variable) means no
+	// secret, with a warning logged at load. Changing it starts every
+	// bucket afresh.
 	KeySecret string `json:"key_secret,omitempty"`
 
 	// Dimensions are the identities along which requests are limited, in
@@ -252,6 +254,11 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
 	if err := h.compile(); err != nil {
 		return err
+	}
+	if h.KeySecret != "" && !h.keyer.Keyed() {
+		// Only placeholders evaluate empty: the template holds no secret.
+		h.logger.Warn("key_secret evaluated empty: identities are hashed with plain SHA-256, so a reader of Redis can test guesses of them",
+			zap.String("key_secret", h.KeySecret))
 	}
 	if err := h.provisionObservability(ctx); err != nil {
 		return err

@@ -44,6 +44,9 @@ func NewKeyer(prefix, secret string) Keyer {
 	return k
 }
 
+// Keyed reports whether k hashes with HMAC-SHA-256 under a secret.
+func (k Keyer) Keyed() bool { return k.macs != nil }
+
 // ID returns the hashed form of identity used in keys and logs.
 func (k Keyer) ID(identity string) string {
 	var buf [IDLength]byte
