@@ -923,27 +923,38 @@ func TestSDKFailedCallsGiveTheEstimateBack(t *testing.T) {
 		name, scenario string
 		status         int
 		attempts       int
+		// The error comes in a 200 stream, as its one event: the SDK's
+		// error has no status, and it does not retry.
+		inStream bool
 	}{
-		{"openai_500", "openai.chat", http.StatusInternalServerError, 3},
-		{"anthropic_529", "anthropic.messages", 529, 3},
-		{"openai_400", "openai.chat", http.StatusBadRequest, 1},
+		{"openai_500", "openai.chat", http.StatusInternalServerError, 3, false},
+		{"anthropic_529", "anthropic.messages", 529, 3, false},
+		{"openai_400", "openai.chat", http.StatusBadRequest, 1, false},
+		{"anthropic_overloaded_in_stream", "anthropic.stream", 529, 1, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			lg.up.SetReply(func(*providertest.Request) providertest.Reply {
-				return providertest.Reply{Status: tc.status}
+				return providertest.Reply{Status: tc.status, InStream: tc.inStream}
 			})
+			errStatus, status := tc.status, tc.status
+			if tc.inStream {
+				errStatus, status = 0, http.StatusOK
+			}
 			user := "failed-" + tc.name
 			key := bucket.NewKeyer("rl:", "").Key("user", user, "tokens")
 			before, metricsBefore := len(lg.up.Requests()), scrape(t)
 			c := runSDK(t, tc.scenario, lg.url, sdkOptions{Headers: map[string]string{"X-User": user}, Params: map[string]any{"max_tokens": 4096}})[0]
-			if c.Error == nil || c.Error.Status != tc.status || len(c.Attempts) != tc.attempts {
-				t.Fatalf("the SDK: error %+v, attempts %+v; want %d attempts, then an error with status %d", c.Error, c.Attempts, tc.attempts, tc.status)
+			if c.Error == nil || c.Error.Status != errStatus || len(c.Attempts) != tc.attempts {
+				t.Fatalf("the SDK: error %+v, attempts %+v; want %d attempts, then an error with status %d", c.Error, c.Attempts, tc.attempts, errStatus)
+			}
+			if tc.inStream && !strings.Contains(c.Error.Message, "overloaded_error") {
+				t.Errorf("the SDK's error %q does not tell the overload", c.Error.Message)
 			}
 			estimates := int64(0)
 			for i, a := range c.Attempts {
 				estimates += estimatedCost(t, a)
-				if a.Status != tc.status || estimatedCost(t, a) < 4096 {
-					t.Errorf("attempt %d: status %d, estimated cost %s; want %d, charged the 4096-token budget and more", i, a.Status, a.Headers["x-estimated-cost"], tc.status)
+				if a.Status != status || estimatedCost(t, a) < 4096 {
+					t.Errorf("attempt %d: status %d, estimated cost %s; want %d, charged the 4096-token budget and more", i, a.Status, a.Headers["x-estimated-cost"], status)
 				}
 			}
 			if n := len(lg.up.Requests()) - before; n != tc.attempts {

@@ -76,6 +76,7 @@ type usageRecorder struct {
 	wroteHeader bool
 	code        int                   // the final status, from the first WriteHeader
 	errorObject bool                  // the body is the provider's error object (see finish)
+	streamError bool                  // the body is a stream that opened with an error event
 	usage       *llm.UsageReader      // from the first WriteHeader
 	filter      *llm.UsageChunkFilter // nil: the client gets every byte
 }
@@ -135,7 +136,10 @@ func (rec *usageRecorder) Write(p []byte) (int, error) {
 // providers' shape needs settle { keep_failed }. Nor is a reverse_proxy
 // failure, which writes no status here (it cannot tell whether an earlier
 // try of lb_retries reached the model), nor an answer whose body was not
-// read (settle header).
+// read (settle header). An event stream whose first event is the
+// provider's error object (llm.UsageReader.OpenedWithError: Anthropic's
+// overloaded_error after a 200) did not run it either: nothing came
+// before the error.
 func (rec *usageRecorder) notRun() bool {
 	switch rec.code {
 	case http.StatusTooManyRequests, 529:
@@ -143,7 +147,7 @@ func (rec *usageRecorder) notRun() bool {
 	case http.StatusRequestTimeout, http.StatusBadGateway, http.StatusGatewayTimeout, 522, 524:
 		return false
 	}
-	return rec.code >= 400 && rec.errorObject
+	return rec.code >= 400 && rec.errorObject || rec.streamError
 }
 
 // Unwrap lets http.ResponseController reach Flush and the rest.
@@ -173,7 +177,7 @@ func (rec *usageRecorder) finish(s *Settle) (used int64, status llm.Status, part
 		return 0, llm.NotReported, false
 	}
 	u, status := rec.usage.Result()
-	rec.errorObject = rec.usage.ErrorObject()
+	rec.errorObject, rec.streamError = rec.usage.ErrorObject(), rec.usage.OpenedWithError()
 	rec.usage.Release()
 	rec.usage = nil
 	return u.Total(), status, u.Partial

@@ -131,6 +131,12 @@ func (l *sseLines) endLine(c byte) {
 
 // dispatch ends an event.
 func (l *sseLines) dispatch(b *usageBody) {
+	if l.dataLines > 0 {
+		if b.events == 0 {
+			b.firstError = b.scan.errorTop
+		}
+		b.events++
+	}
 	l.dataLines = 0
 	b.scan.reset(true)
 	b.capture, b.capOver = b.capture[:0], false

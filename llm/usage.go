@@ -300,6 +300,21 @@ func (r *UsageReader) ErrorObject() bool {
 	return !r.unknown && !r.body.sse && r.body.scan.errorTop
 }
 
+// OpenedWithError reports whether the body is an event stream whose first
+// event with data is an error object (a JSON object with a top-level
+// "error" member): Anthropic answers an overload that comes after its 200
+// this way, with an error event in place of message_start
+// (https://docs.anthropic.com/en/api/errors, "When receiving a streaming
+// response via SSE, it's possible that an error can occur after returning
+// a 200 response"), and OpenAI a stream that fails before its first
+// chunk. The model did not run: nothing came before. It reads the stream
+// as far as it was written, and a compressed one as far as Result last
+// decoded it: call it after Result.
+func (r *UsageReader) OpenedWithError() bool {
+	b := &r.body
+	return !r.unknown && b.sse && (b.firstError || b.events == 0 && b.scan.errorTop)
+}
+
 // IsIdentity reports whether a Content-Encoding list applies no content
 // coding: empty, or identity only. A UsageChunkFilter reads only such a
 // stream.
@@ -325,6 +340,9 @@ type usageBody struct {
 	capture []byte // the usage value being read, up to MaxUsageObject
 	capOver bool
 
+	events     int  // events with data ended so far (an event stream)
+	firstError bool // the first of them was an error object
+
 	tally tally
 
 	dec *jsontext.Decoder
@@ -337,6 +355,7 @@ func (b *usageBody) reset(sse bool) {
 	b.scan.reset(sse)
 	b.capture = b.capture[:0]
 	b.capOver = false
+	b.events, b.firstError = 0, false
 	b.tally = tally{}
 }
 

@@ -40,7 +40,7 @@ type jsonScan struct {
 	capturing bool // reading a usage value (after its colon)
 	capDepth  int  // the depth of its member
 
-	errorTop bool // a JSON body (not event data) has a top-level "error" member
+	errorTop bool // the top-level object has an "error" member
 }
 
 // maxName is the longest raw member name kept: "response" with every
@@ -171,7 +171,7 @@ func (s *jsonScan) closeString() {
 	if s.inName {
 		s.inName = false
 		s.member = s.nameIs()
-		if s.member == memberError && s.depth == 1 && !s.paths {
+		if s.member == memberError && s.depth == 1 {
 			s.errorTop = true
 		}
 	}

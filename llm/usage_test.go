@@ -530,6 +530,53 @@ func TestIsIdentity(t *testing.T) {
 // member is the provider's error object, however it is written or
 // encoded, and split at any byte; a nested "error", a proxy's page and an
 // event stream are not.
+// TestOpenedWithError: an event stream whose first event with data is an
+// error object, as Anthropic sends an overload after its 200, opened with
+// an error; one whose error comes after another event, or whose first
+// event is not an error, did not; a JSON body never does.
+func TestOpenedWithError(t *testing.T) {
+	const overloaded = `{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}`
+	const start = `{"type":"message_start","message":{"id":"m","usage":{"input_tokens":12,"output_tokens":1}}}`
+	for _, tc := range []struct {
+		name, contentType, body string
+		want                    bool
+	}{
+		{"anthropic_overloaded", sse, "event: error\ndata: " + overloaded + "\n\n", true},
+		{"cut_before_the_blank_line", sse, "event: error\ndata: " + overloaded, true},
+		{"after_comments_and_a_bom", sse, "\xef\xbb\xbf: keep-alive\r\n\r\nevent: error\r\ndata: " + overloaded + "\r\n\r\n", true},
+		{"openai_chunk", sse, "data: {\"error\":{\"message\":\"The server had an error\",\"type\":\"server_error\"}}\n\n", true},
+		{"after_message_start", sse, "event: message_start\ndata: " + start + "\n\nevent: error\ndata: " + overloaded + "\n\n", false},
+		{"message_start", sse, "event: message_start\ndata: " + start + "\n\n", false},
+		{"nested_error", sse, "data: {\"type\":\"x\",\"data\":{\"error\":1}}\n\n", false},
+		{"empty", sse, "", false},
+		{"json_body", "application/json", overloaded, false},
+	} {
+		for _, split := range []int{0, 1, 7, 20} {
+			chunks := []string{tc.body}
+			if split > 0 && split < len(tc.body) {
+				chunks = []string{tc.body[:split], tc.body[split:]}
+			}
+			r := NewUsageReader(tc.contentType, "")
+			for _, c := range chunks {
+				r.Write([]byte(c))
+			}
+			r.Result()
+			if got := r.OpenedWithError(); got != tc.want {
+				t.Errorf("%s split at %d: %v, want %v", tc.name, split, got, tc.want)
+			}
+			r.Release()
+		}
+		enc, _ := compress(t, "gzip", false, tc.body)
+		r := NewUsageReader(tc.contentType, "gzip")
+		r.Write(enc)
+		r.Result()
+		if got := r.OpenedWithError(); got != tc.want {
+			t.Errorf("%s, gzip: %v, want %v", tc.name, got, tc.want)
+		}
+		r.Release()
+	}
+}
+
 func TestErrorObject(t *testing.T) {
 	for _, tc := range []struct {
 		name, contentType, body string

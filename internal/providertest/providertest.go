@@ -145,6 +145,10 @@ type Reply struct {
 	// "param","code"}}, Anthropic's {"type":"error","error":{"type",
 	// "message"}}.
 	Status int
+	// InStream sends the error of Status to an Anthropic stream request as
+	// Anthropic sends one that comes after its headers (an overload): a
+	// 200 stream whose one event is the error object (event: error).
+	InStream bool
 	// ErrorType and ErrorCode override the error's type and code (OpenAI);
 	// ErrorMessage its message.
 	ErrorType, ErrorCode, ErrorMessage string
@@ -360,6 +364,8 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 			msg = "There was an issue with the request body: the body must be a JSON object."
 		}
 		a.error(http.StatusBadRequest, "", "", msg)
+	case rep.Status != 0 && rep.Status != http.StatusOK && rep.InStream && req.Stream && req.API == Messages:
+		a.stream([]event{{text: "event: error\ndata: " + string(anthropicError(rep.Status, rep.ErrorType, rep.ErrorMessage)) + "\n\n"}})
 	case rep.Status != 0 && rep.Status != http.StatusOK:
 		a.error(rep.Status, rep.ErrorType, rep.ErrorCode, rep.ErrorMessage)
 	default:
@@ -501,13 +507,7 @@ func (a *answer) stream(events []event) {
 // error writes an error in the shape of the request's provider.
 func (a *answer) error(status int, typ, code, message string) {
 	if a.req.API.Anthropic() {
-		if typ == "" {
-			typ = anthropicErrorType(status)
-		}
-		if message == "" {
-			message = http.StatusText(status)
-		}
-		a.json(status, obj("type", "error", "error", obj("type", typ, "message", message)))
+		a.json(status, anthropicError(status, typ, message))
 		return
 	}
 	defType, defCode := openAIErrorType(status)
@@ -547,6 +547,19 @@ func openAIErrorType(status int) (typ, code string) {
 		return "server_error", ""
 	}
 	return "invalid_request_error", ""
+}
+
+// anthropicError is Anthropic's error object for status, of type typ (by
+// default the one Anthropic documents for status) and message (by default
+// the status text).
+func anthropicError(status int, typ, message string) []byte {
+	if typ == "" {
+		typ = anthropicErrorType(status)
+	}
+	if message == "" {
+		message = http.StatusText(status)
+	}
+	return obj("type", "error", "error", obj("type", typ, "message", message))
 }
 
 // anthropicErrorType is the error type Anthropic documents for a status.
