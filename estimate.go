@@ -36,7 +36,9 @@ const (
 // messages, system, prompt, input, instructions, tools, functions,
 // response_format, tool calls and results, 85 per image or file part),
 // plus the completion budget: the body's max_completion_tokens,
-// max_tokens or max_output_tokens, else DefaultMaxTokens. The charge is
+// max_tokens or max_output_tokens, else DefaultMaxTokens (none for
+// embeddings and moderations, nor for a body that asks no model for
+// output: see asksForOutput). The charge is
 // capped so that a request whose prompt fits the smallest tokens capacity
 // is never denied as cost_exceeds_capacity because of its budget (see
 // tokenEstimate.cost). The body is read once, up to MaxBody bytes, in one
@@ -180,7 +182,7 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		return tokenEstimate{model: req.Model, noInference: true, read: true}, nil
 	}
 	defaultMax := e.DefaultMaxTokens
-	if !completes(r.URL.Path) {
+	if !completes(r.URL.Path) || !asksForOutput(req) {
 		defaultMax = 0
 	}
 	est := tokenEstimate{prompt: req.PromptTokens, completion: req.Budget(defaultMax), model: req.Model, read: true}
@@ -213,6 +215,18 @@ func noContent(r *http.Request) bool {
 // whose answers carry no completion. A trailing slash is ignored.
 func completes(path string) bool {
 	return !endsIn(path, "/embeddings", "/embed", "/moderations")
+}
+
+// asksForOutput reports whether a request whose body sets no budget asks
+// a model for output, and so is charged default_max_tokens: it names a
+// model or carries text the estimate reads (a prompt, messages, input).
+// The JSON POSTs that manage stored objects carry neither (OpenAI's
+// uploads and their completion, vector stores and their files, a chat
+// completion's metadata update: the SDKs' uploads.create,
+// vectorStores.create, chat.completions.update), and their answers
+// report no usage to settle, so a default budget would stay charged.
+func asksForOutput(req llm.Request) bool {
+	return req.Model != "" || req.PromptTokens > 0
 }
 
 // endsIn reports whether path, less a trailing slash, ends in one of

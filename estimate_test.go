@@ -52,6 +52,15 @@ func TestEstimateTable(t *testing.T) {
 		{"missing_max_tokens_default", nil, `{"messages":[{"role":"user","content":"Hi!"}]}`, 1 + 1024},
 		{"configured_default", &Estimate{DefaultMaxTokens: 256}, `{"messages":[{"role":"user","content":"Hi!"}]}`, 1 + 256},
 		{"null_max_tokens_default", nil, `{"messages":[{"role":"user","content":"Hi!"}],"max_tokens":null}`, 1 + 1024},
+		{"model_alone_default", nil, `{"model":"gpt-4o-mini"}`, 1024},
+		// Bodies that ask no model for output (no model, no text): the
+		// SDKs' uploads.create, uploads.complete, vectorStores.create and
+		// chat.completions.update. No default budget.
+		{"upload_no_budget", nil, `{"purpose":"assistants","filename":"notes.txt","bytes":2048,"mime_type":"text/plain"}`, 0},
+		{"upload_complete_no_budget", nil, `{"part_ids":["part_abc","part_def"]}`, 0},
+		{"vector_store_no_budget", nil, `{"name":"docs","file_ids":["file-abc"]}`, 0},
+		{"metadata_update_no_budget", nil, `{"metadata":{"topic":"billing"}}`, 0},
+		{"empty_object_no_budget", nil, `{}`, 0},
 		// UTF-8 bytes, not runes: 30 + 15 bytes are ⌈30/4⌉ + ⌈15/4⌉ = 12.
 		{"utf8_bytes_not_runes", nil,
 			`{"messages":[{"role":"user","content":"日本語のテキストです"},{"role":"user","content":"👋🌍🚀✨"}],"max_tokens":0}`, 12},
