@@ -127,3 +127,35 @@ func TestDemotionWaitWithOnLimitWait(t *testing.T) {
 		t.Errorf("the demoted request: Retry-After-Ms %d, body %q; want what is left of the demotion, on tier penalty", ms, r.body)
 	}
 }
+
+// TestDemotionCostPlaceholder: under demote a request is priced in its own
+// tier and in the penalty tier (one round trip decides on either), and
+// {http.token_bucket.cost} is the price in the tier that decided: the own
+// tier's 500 while the user is not demoted, the penalty tier's 100 (its
+// capacity caps the estimate) once demoted.
+func TestDemotionCostPlaceholder(t *testing.T) {
+	lg := startLLMGateway(t, `token_bucket {
+			redis redis://REDIS_ADDR {
+				timeout 10s
+			}
+			dimension user {http.request.header.X-User}
+			tier free {
+				user 2 1/1h
+				user 100000 1/1h tokens
+			}
+			tier penalty {
+				user 100 1/1h tokens
+			}
+			demote after 1 denials within 1m to tier penalty for 1m
+			cost estimate
+		}`)
+	for i, want := range []struct {
+		status int
+		cost   string
+	}{{200, "500"}, {200, "500"}, {429, "500"}, {200, "100"}} {
+		r := lg.post("/v1/chat/completions", chat500, "X-User", "priced", "Content-Type", "application/json")
+		if r.status != want.status || r.header.Get("X-Estimated-Cost") != want.cost {
+			t.Errorf("request %d: %d with cost %q, want %d with %s: %s", i+1, r.status, r.header.Get("X-Estimated-Cost"), want.status, want.cost, r.body)
+		}
+	}
+}

@@ -27,6 +27,8 @@ type request struct {
 	allCap    int64 // the smallest capacity of all its tokens limits, those in shadow included; -1: none
 	leases    int   // its concurrency limits
 	demoted   bool  // decided on a demotion's penalty tier, or demoted by this denial
+	priced    bool  // its tokens limits are priced: cost is their charge
+	cost      int64 // the charge of its enforced tokens limits ({http.token_bucket.cost})
 	decidedAt int64 // the gateway's clock (µs) when Redis was asked: which window a quota was charged in
 }
 
@@ -159,9 +161,9 @@ func (in *inputs) identity(h *Handler, i int) string {
 // tokensCost returns the cost of the request's tokens limits when the
 // smallest of them holds capacity tokens: with estimate, the body's
 // estimate capped to capacity (see tokenEstimate.cost), else the cost
-// template; the body or template is read on first use. It sets
-// {http.token_bucket.cost}. A static cost needs neither. It fails with
-// errInvalidBody, errBodyTimeout or errInvalidCost.
+// template; the body or template is read on first use. A static cost
+// needs neither. It fails with errInvalidBody, errBodyTimeout or
+// errInvalidCost.
 func (in *inputs) tokensCost(h *Handler, capacity int64) (int64, error) {
 	if h.Estimate == nil && h.cost >= 0 {
 		return h.cost, nil
@@ -169,12 +171,10 @@ func (in *inputs) tokensCost(h *Handler, capacity int64) (int64, error) {
 	if err := in.readCost(h); err != nil {
 		return 0, err
 	}
-	cost := in.cost
 	if h.Estimate != nil {
-		cost = in.est.cost(capacity)
+		return in.est.cost(capacity), nil
 	}
-	in.repl.Set("http.token_bucket.cost", cost)
-	return cost, nil
+	return in.cost, nil
 }
 
 // readCost reads the request's tokens cost once: with estimate, the body
@@ -312,6 +312,7 @@ func (h *Handler) price(in *inputs, req *request) error {
 	if err != nil {
 		return err
 	}
+	req.priced, req.cost = true, c
 	sc := c
 	if h.Estimate != nil && req.allCap < req.tokensCap {
 		sc = in.est.cost(req.allCap)

@@ -463,6 +463,16 @@ func (h *Handler) record(x *exchange, v *verdict) {
 	if v.gone {
 		return
 	}
+	// The price in the tier that decided, not in another the request was
+	// priced in (demote prices both); a cached denial's buckets are not
+	// priced, the request's may be.
+	req := v.req
+	if req == nil || !req.priced {
+		req = x.req
+	}
+	if req != nil && req.priced {
+		repl.Set("http.token_bucket.cost", req.cost)
+	}
 	if v.local {
 		repl.Set("http.token_bucket.degraded", "true")
 	}
