@@ -169,7 +169,7 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		req, err = llm.ParseRequest(body, e.tok)
 	}
 	if err != nil {
-		if uploads(r.URL.Path) && formBody(r, body) {
+		if uploads(r.URL.Path) && e.formBody(w, r, body) {
 			// An audio transcription, a file upload: no text or model the
 			// estimate reads. 0 tokens; usage its answer reports settles it.
 			return tokenEstimate{read: read}, nil
@@ -269,19 +269,24 @@ func uploads(path string) bool {
 
 // formBody reports whether r's body, of which prefix was read (nil when
 // its Content-Length was over max_body: then up to 512 bytes are read here,
-// and given back), is an HTML form: multipart/form-data (OpenAI's audio
+// within read_timeout, and given back), is an HTML form:
+// multipart/form-data (OpenAI's audio
 // transcriptions and translations, file uploads, image edits) or
 // application/x-www-form-urlencoded, by its Content-Type and by its first
 // byte that is not a space, which is not a JSON object's or array's. A
 // JSON body labelled a form, which a server that ignores Content-Type
 // (Go's encoding/json behind gin or net/http) would still read, is not
 // one.
-func formBody(r *http.Request, prefix []byte) bool {
+func (e *Estimate) formBody(w http.ResponseWriter, r *http.Request, prefix []byte) bool {
 	mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
 	if err != nil || mt != "multipart/form-data" && mt != "application/x-www-form-urlencoded" {
 		return false
 	}
 	if prefix == nil && r.Body != nil {
+		rc := http.NewResponseController(w)
+		if rc.SetReadDeadline(time.Now().Add(time.Duration(e.ReadTimeout))) == nil {
+			defer rc.SetReadDeadline(time.Time{})
+		}
 		var buf [512]byte
 		n, _ := io.ReadFull(r.Body, buf[:])
 		prefix = bytes.Clone(buf[:n])

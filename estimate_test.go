@@ -16,6 +16,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -393,5 +394,42 @@ func TestHalfClosedShortBodyIs400(t *testing.T) {
 	}
 	if keys := lg.keys(); len(keys) != 0 || len(lg.up.requests()) != 0 {
 		t.Errorf("keys %q, %d upstream requests; want none", keys, len(lg.up.requests()))
+	}
+}
+
+// TestOversizedFormThatNeverComesTimesOut: a form to an upload path whose
+// Content-Length is over max_body is read for its first 512 bytes (is it
+// a form?) within read_timeout, as any body the estimate reads: a client
+// that sends its headers and then nothing is answered 400 once the
+// timeout passes, not held until it leaves.
+func TestOversizedFormThatNeverComesTimesOut(t *testing.T) {
+	lg := startLLMGateway(t, llmLimiter("user 10000 1/1h tokens", `cost estimate {
+				max_body 1024
+				read_timeout 1s
+			}`))
+	conn, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", lg.port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := fmt.Fprint(conn, "POST /v1/audio/transcriptions HTTP/1.1\r\nHost: gateway.test\r\nX-User: stalled\r\n"+
+		"Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 4096\r\n\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	// A bound on the wait, not a measure of it: without the deadline the
+	// gateway never answers.
+	if err := conn.SetReadDeadline(time.Now().Add(time.Minute)); err != nil {
+		t.Fatal(err)
+	}
+	res, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatalf("no answer to a form that never comes: %v", err)
+	}
+	b, _ := io.ReadAll(res.Body)
+	if res.StatusCode != http.StatusBadRequest || !strings.Contains(string(b), `"invalid_body"`) {
+		t.Errorf("answer %d %q, want 400 invalid_body", res.StatusCode, b)
+	}
+	if len(lg.up.requests()) != 0 {
+		t.Errorf("%d upstream requests, want none", len(lg.up.requests()))
 	}
 }
