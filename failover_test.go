@@ -1572,3 +1572,24 @@ func TestEveryFailedCallCounted(t *testing.T) {
 		t.Errorf("redis_errors_total{kind=\"connection\"} grew by %v for 4 failed calls, want 4", got)
 	}
 }
+
+// TestGiveBackOfNothingMakesNoCall: a client that leaves after a decision
+// that charged it nothing (costs of 0) is given nothing back without a
+// Redis call, so the give-back holds with the circuit breaker open, rather
+// than failing and logging that the client stays charged.
+func TestGiveBackOfNothingMakesNoCall(t *testing.T) {
+	rc := &RedisConfig{Address: []string{"127.0.0.1:" + strconv.Itoa(redistest.FreePort(t))}, Timeout: caddy.Duration(foTimeout), BreakerFailures: 1}
+	h := provisionHandler(t, foHandler(rc, PolicyDeny, 5))
+	if r := serveUser(h, "alice"); r.status != http.StatusServiceUnavailable {
+		t.Fatalf("with Redis down: %d, want 503", r.status)
+	}
+	if st := h.conn.breaker.State(); st != gobreaker.StateOpen {
+		t.Fatalf("breaker %v, want open", st)
+	}
+	x := &exchange{inputs: inputs{r: httptest.NewRequest(http.MethodGet, "/", nil)}}
+	req := &request{keys: []string{"k1", "k2"}, takes: []bucket.Take{{Cost: 0}, {Cost: 0}}}
+	d := &bucket.Decision{Allowed: true, Buckets: []bucket.Result{{Reason: bucket.Allowed}, {Reason: bucket.Allowed}}}
+	if !h.giveBack(x, req, d) {
+		t.Error("giving back nothing failed")
+	}
+}

@@ -256,6 +256,9 @@ func (h *Handler) giveBack(x *exchange, req *request, d *bucket.Decision) bool {
 			keys, takes = append(keys, req.keys[i]), append(takes, req.takes[i])
 		}
 	}
+	if len(keys) == 0 {
+		return true // charged nothing (costs of 0): no call
+	}
 	// The client is gone: the refund is the gateway's own call.
 	if err := h.conn.refund(context.WithoutCancel(x.r.Context()), keys, takes); err != nil {
 		h.logger.Warn("giving back what a client that left was charged failed; it stays charged", zap.Error(err))
