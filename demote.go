@@ -19,7 +19,11 @@ import (
 // (the same buckets, the stricter capacity and refill), the 429 body says
 // "demoted":true and {http.token_bucket.demoted} is "true". Every denial must
 // reach Redis to be counted, so the deny cache is off for a handler with a
-// demotion rule. Not with Redis Cluster; not while on_redis_error decides.
+// demotion rule. Every request is priced in both tiers before that call:
+// when the penalty tier has a tokens limit, every request's body is
+// estimated, an invalid one refused (or priced by on_invalid), even when
+// its own tier has none. Not with Redis Cluster; not while on_redis_error
+// decides.
 type Demote struct {
 	// Dimension whose identity is demoted (default: the first dimension).
 	Dimension string `json:"dimension,omitempty"`
