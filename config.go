@@ -163,6 +163,10 @@ func (h *Handler) compile() error {
 			h.MaxWaiting = DefaultMaxWaiting
 		}
 	}
+	// A header field goes through the replacer, which joins its lines
+	// with ",": a repeated tier header names no tier.
+	h.tierSrc = newIDSource(h.TierFrom)
+	h.tierSrc.header = ""
 	h.idSources = make([]idSource, len(h.Dimensions))
 	for i, d := range h.Dimensions {
 		h.idSources[i] = newIDSource(d.Identity)

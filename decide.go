@@ -44,7 +44,7 @@ func (h *Handler) build(x *exchange, w http.ResponseWriter, r *http.Request) {
 	if h.modelFirst {
 		_ = x.readCost(h) // an error is decide's to answer, before any bucket
 	}
-	x.tier = h.resolveTier(repl)
+	x.tier = h.resolveTier(x.r, repl)
 	x.req = h.bucketsOf(&x.inputs, x.tier)
 }
 

@@ -210,6 +210,7 @@ type Handler struct {
 	logger    *zap.Logger
 	keyer     bucket.Keyer
 	idSources []idSource // per dimension: where a template that is one placeholder reads it
+	tierSrc   idSource   // the same for tier_from
 	tiers     map[string]*tier
 	deflt     *tier
 	cost      int64 // -1: evaluate the Cost template per request

@@ -2,6 +2,7 @@ package tokenbucket
 
 import (
 	"math"
+	"net/http"
 	"slices"
 	"strconv"
 	"strings"
@@ -198,12 +199,20 @@ func policyItem(name string, capacity int64, rate float64) string {
 
 // resolveTier returns the request's tier: the one tier_from names, or the
 // default tier when it is empty or names none. An unknown name is never
-// trusted to create or choose anything else.
-func (h *Handler) resolveTier(repl *caddy.Replacer) *tier {
-	if h.TierFrom == "" {
+// trusted to create or choose anything else. A tier_from that is one
+// placeholder is read without parsing the template (see idSource), a
+// header field with its lines joined by ",", as the replacer gives it.
+func (h *Handler) resolveTier(r *http.Request, repl *caddy.Replacer) *tier {
+	var name string
+	switch {
+	case h.TierFrom == "":
 		return h.deflt
+	case h.tierSrc.key != "":
+		name = h.tierSrc.value(r, repl)
+	default:
+		name = repl.ReplaceAll(h.TierFrom, "")
 	}
-	if t, ok := h.tiers[repl.ReplaceAll(h.TierFrom, "")]; ok {
+	if t, ok := h.tiers[name]; ok {
 		return t
 	}
 	return h.deflt
