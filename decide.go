@@ -359,9 +359,6 @@ func (h *Handler) decideDegraded(x *exchange, cause error, reqs ...*request) ver
 	case PolicyDeny:
 		return verdict{outcome: outcomeUnavailable, tier: t, local: true}
 	}
-	d, err := h.local.Take(x.r.Context(), req.keys, req.localTakes())
-	if err != nil {
-		return verdict{outcome: outcomeUnavailable, tier: t, local: true, err: err}
-	}
+	d, _ := h.local.Take(x.r.Context(), req.keys, req.localTakes()) // never fails
 	return decidedVerdict(t, req, d, true)
 }

@@ -37,8 +37,7 @@ type collectors struct {
 	// allowed, denied (429), invalid_cost (400), invalid_body (400: the
 	// body the cost is estimated from is not a chat or completion
 	// request), skipped (no dimension of the tier had an identity, so no
-	// bucket applied) or unavailable (503: on_redis_error deny, or the
-	// local store failed).
+	// bucket applied) or unavailable (503: on_redis_error deny).
 	// It counts decisions made by Redis and by on_redis_error alike;
 	// local_decisions_total is the on_redis_error share.
 	decisions *prometheus.CounterVec
@@ -59,7 +58,7 @@ type collectors struct {
 	charged, refunded *prometheus.CounterVec
 	// local counts the decisions made without Redis by on_redis_error:
 	// allowed (local store, or policy allow), denied (local store) or
-	// unavailable (policy deny, or the local store failed).
+	// unavailable (policy deny).
 	local *prometheus.CounterVec
 	// redisDuration is the time of each limiter call that reached Redis
 	// (not those refused by an open breaker), failed ones included.

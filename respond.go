@@ -501,7 +501,7 @@ func (h *Handler) record(x *exchange, v *verdict) {
 
 // respond answers a verdict: next (settling the usage after it when
 // configured), the 429 with its headers, the 400 or 408 of an input error,
-// the 503 of on_redis_error deny or a failed local store, or the 499 logged
+// the 503 of on_redis_error deny, or the 499 logged
 // for a client that went away before Redis answered. Decisions made
 // by on_redis_error carry no rate-limit headers: one node's numbers would
 // mislead.
@@ -511,8 +511,6 @@ func (h *Handler) respond(x *exchange, v *verdict, next caddyhttp.Handler) error
 	case v.gone:
 		// As reverse_proxy reports a client that closed its request.
 		return caddyhttp.Error(statusClientClosedRequest, cmp.Or(context.Cause(x.r.Context()), v.err))
-	case v.outcome == outcomeUnavailable && v.err != nil:
-		return caddyhttp.Error(http.StatusServiceUnavailable, v.err)
 	case v.outcome == outcomeUnavailable:
 		return h.unavailable(w)
 	case v.err != nil:
