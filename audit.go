@@ -32,7 +32,9 @@ const AuditLogger = "http.handlers.token_bucket.audit"
 // http.handlers.token_bucket.audit, level INFO, message "request denied")
 // per denied request, with fields tier, dimension, unit, id (the hashed
 // identity, as in the bucket key: never the raw identity or API key), key,
-// reason, cost, retry_after_ms, degraded, client_ip and suppressed. So that
+// reason, cost, retry_after_ms, degraded, client_ip and suppressed, and
+// period for a calendar quota and shadow (true) for a limit in shadow,
+// whose would-be denials are logged too. So that
 // a client in a tight retry loop cannot flood the log, a bucket gets at
 // most one entry per audit_window: its later denials in the window are only
 // counted, and its next entry carries that count as suppressed.

@@ -20,9 +20,12 @@ import (
 
 // Defaults and bounds of the cost estimator.
 const (
+	// DefaultEstimateMaxBody is the default max_body: 1 MiB, in bytes.
 	DefaultEstimateMaxBody = 1 << 20
-	// MaxEstimateBody is the largest max_body: 1 GiB.
-	MaxEstimateBody          = 1 << 30
+	// MaxEstimateBody is the largest max_body: 1 GiB, in bytes.
+	MaxEstimateBody = 1 << 30
+	// DefaultEstimateMaxTokens is the default default_max_tokens: the
+	// completion budget, in tokens, of a request that sets none.
 	DefaultEstimateMaxTokens = 1024
 	// DefaultEstimateReadTimeout bounds the time the whole body may take to
 	// arrive.

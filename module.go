@@ -46,7 +46,10 @@ type Handler struct {
 	Redis *RedisConfig `json:"redis,omitempty"`
 
 	// KeyPrefix starts every Redis key (default "rl:"). It must not contain
-	// '{' or '}'. Keys are <key_prefix>{<dimension>:<id>}[:tokens]; see
+	// '{' or '}'. Keys are <key_prefix>{<dimension>:<id>} followed by the
+	// limit's unit (:tokens, :concurrent), a quota's period (:day, :week,
+	// :month), :shadow and a model scope (:m:<model id>) as they apply, and
+	// demote's :demoted and :denials; see the README's list and
 	// bucket.Keyer for <id>.
 	KeyPrefix string `json:"key_prefix,omitempty"`
 
@@ -153,13 +156,16 @@ type Handler struct {
 	// limits never hold a request.
 	OnLimit string `json:"on_limit,omitempty"`
 
-	// MaxWait is the longest hold of on_limit wait: 1ms to 1m.
+	// MaxWait is the longest hold of on_limit wait: 1ms to 1m. Required
+	// with on_limit wait (there is no default), not allowed without it.
 	MaxWait caddy.Duration `json:"max_wait,omitempty"`
 
 	// MaxWaiting bounds the requests this gateway holds at once with
 	// on_limit wait (default 1000); beyond it, a request that would be
 	// held is denied as with reject, so that a flood cannot pile up
-	// goroutines.
+	// goroutines. A held request keeps up to 1 MiB of its body in memory
+	// (read ahead, so that a client that leaves is seen), so the default
+	// bounds held bodies at about 1 GiB.
 	MaxWaiting int `json:"max_waiting,omitempty"`
 
 	// Demote moves an identity that keeps hammering while limited to a
@@ -194,7 +200,8 @@ type Handler struct {
 	// except that tokens given back by a refund are seen only when the
 	// cached denial lapses. A denial holds only under the limit it was made
 	// under, so an identity whose tier changed goes to Redis again (keys do
-	// not name the tier). See bucket.DenyCache.
+	// not name the tier). Off whenever Demote is set, whose denials must
+	// all reach Redis to be counted. See bucket.DenyCache.
 	DenyCache int `json:"deny_cache,omitempty"`
 
 	// OnDeny says how a denial is answered: "respond" (the default) writes

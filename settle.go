@@ -43,8 +43,11 @@ import (
 // outcome="invalid"}). A request is never given back more than it was
 // charged.
 type Settle struct {
-	// Header names a response header that carries the total tokens used;
-	// when set, the body is not parsed.
+	// Header names a response header that carries the total tokens used,
+	// a decimal integer from 0 to 2^53-1; when set, the body is not
+	// parsed. A response without it keeps its estimate (counted as
+	// settlements_total{outcome="not_reported"}), as does one with
+	// another value (outcome "invalid", logged).
 	Header string `json:"header,omitempty"`
 	// IncludeUsage makes OpenAI-style streams report their usage: a request
 	// with "stream": true that does not ask for usage reaches the upstream
