@@ -35,8 +35,9 @@ type collectors struct {
 	// decisions counts every request the handler saw, by its tier (the
 	// penalty tier for a demoted identity) and what the client got:
 	// allowed, denied (429), invalid_cost (400), invalid_body (400: the
-	// body the cost is estimated from is not a chat or completion
-	// request), skipped (no dimension of the tier had an identity, so no
+	// body the cost is estimated from cannot be read as a request; 408
+	// when it did not arrive within read_timeout, 413 over request_body's
+	// max_size), skipped (no dimension of the tier had an identity, so no
 	// bucket applied) or unavailable (503: on_redis_error deny).
 	// It counts decisions made by Redis and by on_redis_error alike;
 	// local_decisions_total is the on_redis_error share.
