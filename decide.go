@@ -33,7 +33,7 @@ type verdict struct {
 	local   bool            // on_redis_error decided
 	demoted bool            // decided on the penalty tier, or demoted by this denial
 	gone    bool            // the client went away before Redis answered (err: errClientGone, before its body's end): nothing decided
-	err     error           // invalid input (errInvalidBody, errBodyTimeout, errBodyTooLarge, errInvalidCost), or the local store's failure
+	err     error           // invalid input (errInvalidBody, errBodyTimeout, errBodyTooLarge, errInvalidCost)
 }
 
 // build resolves the request's tier and the buckets of its identities into
