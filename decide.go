@@ -275,7 +275,7 @@ func (h *Handler) decideDemote(x *exchange, store bucket.Redis, id string) verdi
 	var state bucket.Demotion
 	var d bucket.Decision
 	var left time.Duration // what is left of the demotion
-	req.decidedAt = h.now().UnixMicro()
+	req.decidedAt = x.clock(h).UnixMicro()
 	preq.decidedAt = req.decidedAt
 	held := h.reserve(x, req, preq)
 	err = h.conn.call(x.r.Context(), func(ctx context.Context) error {

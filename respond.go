@@ -38,14 +38,13 @@ func (h *Handler) addHeaders(hs *headerSet, b []byte, t *tier, policy, limits []
 	}
 	if t.policy != "" && t.appliesAll(policy) {
 		b = append(b, t.policy...)
-		hs.cut(hRateLimitPolicy, b)
 	} else {
 		b = appendPolicy(b, policy, h)
-		hs.cut(hRateLimitPolicy, b)
 	}
+	hs.cut(hRateLimitPolicy, b)
 	first := true
-	for i, l := range limits {
-		r := &d.Buckets[i]
+	for j, l := range limits {
+		r := &d.Buckets[j]
 		if l.shadow || (!d.Allowed && r.Reason == bucket.Allowed) {
 			continue // a denial speaks of the buckets that deny
 		}
