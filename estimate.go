@@ -305,7 +305,7 @@ func (e *Estimate) formBody(w http.ResponseWriter, r *http.Request, prefix []byt
 // reject members they do not know, and the Responses API reports usage in
 // every stream, so their bodies are never changed.
 func includesUsage(path string) bool {
-	return strings.HasSuffix(path, "/chat/completions") || strings.HasSuffix(path, "/completions")
+	return strings.HasSuffix(path, "/completions") // chat completions too
 }
 
 // setBody makes body r's body, with its Content-Length.
@@ -369,17 +369,16 @@ func (e *Estimate) readBody(w http.ResponseWriter, r *http.Request) ([]byte, err
 		}
 		return nil, errInvalidBody
 	}
-	rest := r.Body
-	if int64(len(body)) > limit {
+	rest, tooLarge := r.Body, int64(len(body)) > limit
+	if tooLarge && timed {
 		// Only on_invalid <cost> lets such a body through: the rest comes
 		// with the same deadline per read.
-		if timed {
-			rest = &deadlineReader{ReadCloser: rest, rc: rc, timeout: timeout}
-		}
-		r.Body = readCloser{io.MultiReader(bytes.NewReader(body), rest), rest}
-		return body, errInvalidBody // what was read, for formBody
+		rest = &deadlineReader{ReadCloser: rest, rc: rc, timeout: timeout}
 	}
 	r.Body = readCloser{io.MultiReader(bytes.NewReader(body), rest), rest}
+	if tooLarge {
+		return body, errInvalidBody // what was read, for formBody
+	}
 	return body, nil
 }
 

@@ -188,11 +188,9 @@ func (in *inputs) readCost(h *Handler) error {
 	in.costSet = true
 	if h.Estimate != nil {
 		in.est, in.costErr = h.Estimate.estimate(in.w, in.r, h.Settle != nil && h.Settle.IncludeUsage)
+		in.repl.Set("http.token_bucket.model", in.est.model) // "" without a model
 	} else {
 		in.cost, in.costErr = parseCost(in.repl.ReplaceAll(h.Cost, ""))
-	}
-	if h.Estimate != nil {
-		in.repl.Set("http.token_bucket.model", in.est.model) // "" without a model
 	}
 	return in.costErr
 }
