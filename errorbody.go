@@ -67,12 +67,7 @@ func denialError(t *tier, req *request, d *bucket.Decision) errorAnswer {
 	}
 	var m []byte
 	if d.Reason == bucket.CostExceedsCapacity {
-		m = append(m, "Request too large for the "...)
-		m = append(m, l.dimension...)
-		m = append(m, ' ')
-		m = append(m, unit...)
-		m = append(m, " limit of tier "...)
-		m = append(m, t.name...)
+		m = appendLimitName(append(m, "Request too large for the "...), l, unit, t)
 		m = append(m, ": it costs "...)
 		m = strconv.AppendInt(m, req.takes[d.Deciding].Cost, 10)
 		m = append(m, " and the limit holds at most "...)
@@ -80,18 +75,22 @@ func denialError(t *tier, req *request, d *bucket.Decision) errorAnswer {
 		m = append(m, "; it can never be served, do not retry it unchanged."...)
 		return errorAnswer{code: d.Reason.String(), oaiType: unit, antType: "rate_limit_error", message: string(m)}
 	}
-	m = append(m, "Rate limit reached for the "...)
-	m = append(m, l.dimension...)
-	m = append(m, ' ')
-	m = append(m, unit...)
-	m = append(m, " limit of tier "...)
-	m = append(m, t.name...)
+	m = appendLimitName(append(m, "Rate limit reached for the "...), l, unit, t)
 	m = append(m, ": limit "...)
 	m = strconv.AppendInt(m, l.spec.Capacity, 10)
 	m = append(m, ", try again in "...)
 	m = strconv.AppendInt(m, d.RetryAfterSeconds(), 10)
 	m = append(m, "s."...)
 	return errorAnswer{code: "rate_limit_exceeded", oaiType: unit, antType: "rate_limit_error", message: string(m)}
+}
+
+// appendLimitName appends "<dimension> <unit> limit of tier <tier>".
+func appendLimitName(m []byte, l *limit, unit string, t *tier) []byte {
+	m = append(m, l.dimension...)
+	m = append(m, ' ')
+	m = append(m, unit...)
+	m = append(m, " limit of tier "...)
+	return append(m, t.name...)
 }
 
 // The handler's other answers; json is the body in the json format.
