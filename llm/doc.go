@@ -86,6 +86,13 @@
 //	                           they count as any text, which is never low)
 //	function, function_call    an object read as a part (OpenAI tool call
 //	                           and legacy function call: name, arguments)
+//	source                     an object: the "data" of a plain-text source
+//	                           ({"type":"text","data":...}) as one text,
+//	                           the "content" of a content source
+//	                           ({"type":"content","content":...}) as a
+//	                           content value (an Anthropic document's text
+//	                           or blocks); the data of any other source
+//	                           (base64, url, file) counts nothing
 //
 // role, type and every other member count nothing. A part also counts
 // MediaPartTokens when, not being a message, it has a "type" that is not
@@ -93,10 +100,12 @@
 // message, reasoning, thinking, function, function_call,
 // function_call_output, custom_tool_call, custom_tool_call_output,
 // tool_use, server_tool_use, tool_result), or has neither a type nor any
-// of the members above nor a role. So image_url, input_image, image,
-// input_audio, file, input_file, document and unknown types count 85
-// each, whatever their size or detail; an Anthropic document's text is
-// not read.
+// of the members above nor a role, unless every "source" it has is a
+// plain-text or content source. So image_url, input_image, image,
+// input_audio, file, input_file, a document of a base64, url or file
+// source (a PDF) and unknown types count 85 each, whatever their size or
+// detail; a document of plain text or of content blocks counts its text
+// (and 85 per image block) instead.
 //
 // Not counted: the roles and per-message framing tokens the provider adds
 // (a few per message), tool_choice, metadata, and the budget itself, which

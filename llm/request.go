@@ -109,7 +109,8 @@ func (r Request) Cost(defaultMax int64) int64 {
 // documentation, "Names and duplicates"). The body is not
 // modified nor retained. Time and memory are linear in len(body). Under
 // Approx a parse allocates only the Model string (and a buffer for a
-// string over 64 KB with escapes); a BPE tokenizer allocates per text.
+// string over 64 KB with escapes, or for more than 1,024 source data
+// members read before their type); a BPE tokenizer allocates per text.
 // The error wraps ErrInvalidBody.
 func ParseRequest(body []byte, tok Tokenizer) (Request, error) {
 	if tok == nil {
@@ -124,6 +125,7 @@ func ParseRequest(body []byte, tok Tokenizer) (Request, error) {
 // run parses body with p.
 func (p *parser) run(body []byte, tok Tokenizer) (Request, error) {
 	p.body, p.tok, p.prompt = body, tok, 0
+	p.pending = p.pending[:0]
 	p.in = *bytes.NewBuffer(body) // the decoder reads body in place, no copy
 	p.dec.Reset(&p.in, decodeOptions...)
 	req, err := p.parse()
@@ -152,7 +154,14 @@ type parser struct {
 	prompt int64
 	name   []byte // an unquoted member name with escapes
 	text   []byte // an unquoted string with escapes
+	// pending holds the spans of the "data" members of the sources being
+	// read whose type is not known yet (see source), innermost last.
+	pending []span
 }
+
+// span is the offsets in the body of a value's first byte and of the
+// byte past its last.
+type span struct{ start, end int }
 
 func (p *parser) release() {
 	p.body, p.tok = nil, nil
@@ -160,6 +169,9 @@ func (p *parser) release() {
 	p.dec.Reset(&p.in)
 	if cap(p.text) > 64<<10 || cap(p.name) > 64<<10 {
 		p.text, p.name = nil, nil // do not pin the memory of a huge string
+	}
+	if cap(p.pending) > 1<<10 {
+		p.pending = nil
 	}
 	parserPool.Put(p)
 }
@@ -498,6 +510,26 @@ func (p *parser) str() error {
 	return nil
 }
 
+// strOrJSON counts a string as one text, anything else as its raw JSON
+// text (null: nothing).
+func (p *parser) strOrJSON() error {
+	if p.dec.PeekKind() == '"' {
+		return p.str()
+	}
+	return p.jsonText()
+}
+
+// countSpan counts the value at s in the body as strOrJSON does.
+func (p *parser) countSpan(s span) {
+	switch p.body[s.start] {
+	case '"':
+		p.add(p.tok.Count(p.unquote(p.body[s.start:s.end])))
+	case 'n':
+	default:
+		p.add(p.tok.Count(p.body[s.start:s.end]))
+	}
+}
+
 // content counts a content value: a string is a text; an array holds
 // items; null is nothing; anything else counts as JSON text.
 func (p *parser) content() error {
@@ -589,6 +621,7 @@ func (p *parser) part(message bool) error {
 		return err
 	}
 	var typed, media, known bool
+	var textSource, mediaSource bool
 	for p.dec.PeekKind() != '}' {
 		name, err := p.memberName()
 		if err != nil {
@@ -615,11 +648,16 @@ func (p *parser) part(message bool) error {
 			err = p.jsonText()
 		case "arguments", "name", "refusal", "thinking":
 			known = true
-			if p.dec.PeekKind() == '"' {
-				err = p.str()
-			} else {
-				err = p.jsonText()
+			err = p.strOrJSON()
+		case "source":
+			if p.dec.PeekKind() != '{' {
+				err = p.skip()
+				break
 			}
+			var text, other bool
+			text, other, err = p.source()
+			textSource = textSource || text
+			mediaSource = mediaSource || other
 		case "function", "function_call":
 			known = true
 			if p.dec.PeekKind() == '{' {
@@ -637,10 +675,81 @@ func (p *parser) part(message bool) error {
 			return err
 		}
 	}
-	if !message && (media || !typed && !known) {
+	// A part whose sources all carry text (an Anthropic document of plain
+	// text or of content blocks) is that text, not a media part.
+	textOnly := textSource && !mediaSource
+	if !message && !textOnly && (media || !typed && !known) {
 		p.add(MediaPartTokens)
 	}
 	return p.end()
+}
+
+// source counts the "source" object of an Anthropic content block: the
+// "data" of a plain-text source ({"type":"text","media_type":"text/plain",
+// "data":"..."}) is one text, the "content" of a content source
+// ({"type":"content","content": a string or text and image blocks}) a
+// content value. It reports whether some type of the source is one of
+// those two (text), and whether the source has no type or some other
+// (base64, url, file: other, a media source). Members are read in any
+// order: data met before a type "text" is kept as a span of the body and
+// counted once that type is met, so each byte is still counted at most
+// once. The data of any other source (a base64 image or PDF) counts
+// nothing.
+func (p *parser) source() (text, other bool, err error) {
+	if err := p.begin(); err != nil {
+		return false, false, err
+	}
+	mark := len(p.pending)
+	var typed, plain bool
+	for p.dec.PeekKind() != '}' {
+		name, err := p.memberName()
+		if err != nil {
+			return false, false, err
+		}
+		switch string(name) {
+		case "type":
+			typed = true
+			if p.dec.PeekKind() != '"' {
+				other = true
+				err = p.skip()
+				break
+			}
+			var raw jsontext.Value
+			if raw, err = p.dec.ReadValue(); err != nil {
+				return false, false, syntax(err)
+			}
+			switch string(p.unquote(raw)) {
+			case "text":
+				plain, text = true, true
+			case "content":
+				text = true
+			default:
+				other = true
+			}
+		case "data":
+			if plain {
+				err = p.strOrJSON()
+				break
+			}
+			var s span
+			s.start, s.end, err = p.skipSpan()
+			p.pending = append(p.pending, s)
+		case "content":
+			err = p.content()
+		default:
+			err = p.skip()
+		}
+		if err != nil {
+			return false, false, err
+		}
+	}
+	if plain {
+		for _, s := range p.pending[mark:] {
+			p.countSpan(s)
+		}
+	}
+	p.pending = p.pending[:mark]
+	return text, other || !typed, p.end()
 }
 
 // textType reports whether a part of that type carries text (or tool

@@ -113,8 +113,29 @@ func TestParseRequestApprox(t *testing.T) {
 			2 + 3 + ap(toolInput) + 3 + 3 + 85, 10},
 		{"anthropic_thinking", `{"messages":[{"role":"assistant","content":[` +
 			`{"type":"thinking","thinking":"Let me see.","signature":"abc"}]}]}`, 3, -1},
-		{"anthropic_document_counts_85", `{"messages":[{"role":"user","content":[` +
-			`{"type":"document","source":{"type":"text","media_type":"text/plain","data":"a long text"}}]}]}`, 85, -1},
+		// A document is its text when its source is plain text (data:
+		// 11 bytes, 3) or content (a string, 1; blocks: a text, 2, and an
+		// image, 85), whatever the order of the source's members (the data
+		// before the type, escapes decoded: 6 bytes, 2); a base64, url or
+		// file source is a media part, its data not read.
+		{"anthropic_document_text_source", `{"messages":[{"role":"user","content":[` +
+			`{"type":"document","source":{"type":"text","media_type":"text/plain","data":"a long text"}}]}]}`, 3, -1},
+		{"anthropic_document_data_before_type", `{"messages":[{"role":"user","content":[` +
+			`{"source":{"data":"h\u00e9llo","media_type":"text/plain","type":"text"},"type":"document","title":"t"}]}]}`, 2, -1},
+		{"anthropic_document_content_string", `{"messages":[{"role":"user","content":[` +
+			`{"type":"document","source":{"type":"content","content":"abcd"}}]}]}`, 1, -1},
+		{"anthropic_document_content_blocks", `{"messages":[{"role":"user","content":[` +
+			`{"type":"document","source":{"type":"content","content":[{"type":"text","text":"abcdefgh"},` +
+			`{"type":"image","source":{"type":"base64","media_type":"image/png","data":"iVBORw0KGgo="}}]}}]}]}`, 2 + 85, -1},
+		{"anthropic_document_pdf", `{"messages":[{"role":"user","content":[` +
+			`{"type":"document","source":{"type":"base64","media_type":"application/pdf","data":"JVBERi0xLjQKJcOkw7zDtsOfCjIgMCBvYmoK"}},` +
+			`{"type":"document","source":{"data":"JVBERi0xLjQKJcOkw7zDtsOfCjIgMCBvYmoK","type":"base64"}},` +
+			`{"type":"document","source":{"type":"url","url":"https://example.com/a.pdf"}},` +
+			`{"type":"document","source":{"type":"file","file_id":"file_1"}},` +
+			`{"type":"document","source":{"data":"abcd"}}]}]}`, 5 * 85, -1},
+		// Two sources, text and base64: the text, and the media part.
+		{"anthropic_document_duplicate_sources", `{"messages":[{"role":"user","content":[{"type":"document",` +
+			`"source":{"type":"text","data":"abcd"},"source":{"type":"base64","data":"JVBERi0xLjQK"}}]}]}`, 1 + 85, -1},
 
 		// Responses API. "Write a haiku about rate limits." is 32 bytes.
 		{"responses_input_string", `{"model":"gpt-4.1","input":"Write a haiku about rate limits.","max_output_tokens":64}`, 8, 64},
@@ -242,6 +263,9 @@ func TestParseRequestBPE(t *testing.T) {
 			`"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}`, 14 + 85, 14 + 85},
 		{"special_tokens_as_text", `{"prompt":"<|endoftext|>"}`, 7, 7},
 		{"token_ids_one_each", `{"input":[[1,2,3],[4]]}`, 4, 4},
+		// A plain-text document's data, read before its type.
+		{"document_text_source", `{"messages":[{"role":"user","content":[{"type":"document",` +
+			`"source":{"data":"hello world","type":"text","media_type":"text/plain"}}]}]}`, 2, 2},
 	} {
 		for _, enc := range []struct {
 			name string
