@@ -37,8 +37,10 @@ const (
 // Estimate estimates the LLM tokens of an OpenAI- or Anthropic-style JSON
 // request body before it is sent (see package llm for what is counted:
 // messages, system, prompt, input, instructions, tools, functions,
-// response_format, tool calls and results, the text of Anthropic documents
-// of plain text or content blocks, 85 per image or file part),
+// response_format, tool calls and results (built-in ones included: the
+// code, logs and file search results of Responses API items), the text of
+// Anthropic documents of plain text or content blocks, 85 per image or
+// file part),
 // plus the completion budget: the body's max_completion_tokens,
 // max_tokens or max_output_tokens, else DefaultMaxTokens (none for
 // embeddings and moderations, nor for a body that asks no model for

@@ -75,15 +75,20 @@
 // all those that carry text for the model count, whatever the type:
 //
 //	text, content, output,     a content value, so nested blocks count (an
-//	summary, tool_calls        OpenAI role "tool" message's content, an
-//	                           Anthropic tool_result's content, a Responses
+//	summary, tool_calls,       OpenAI role "tool" message's content, an
+//	outputs, queries           Anthropic tool_result's content, a Responses
 //	                           function_call_output's output, an assistant
-//	                           message's tool_calls, reasoning summaries)
+//	                           message's tool_calls, reasoning summaries, a
+//	                           code_interpreter_call's outputs, a
+//	                           file_search_call's queries)
 //	input                      its raw JSON text (Anthropic tool_use input)
 //	arguments, name,           a string is one text, anything else its raw
-//	refusal, thinking          JSON text: tool call arguments, the names of
-//	                           messages, tools and functions called (short:
-//	                           they count as any text, which is never low)
+//	refusal, thinking,         JSON text: tool call arguments, the names of
+//	code, logs                 messages, tools and functions called (short:
+//	                           they count as any text, which is never low),
+//	                           a code_interpreter_call's code and its logs
+//	results                    the "text" of each result object, a content
+//	                           value (a file_search_call's results)
 //	function, function_call    an object read as a part (OpenAI tool call
 //	                           and legacy function call: name, arguments)
 //	source                     an object: the "data" of a plain-text source
@@ -99,9 +104,10 @@
 // a text type (text, input_text, output_text, refusal, summary_text,
 // message, reasoning, thinking, function, function_call,
 // function_call_output, custom_tool_call, custom_tool_call_output,
-// tool_use, server_tool_use, tool_result), or has neither a type nor any
-// of the members above nor a role, unless every "source" it has is a
-// plain-text or content source. So image_url, input_image, image,
+// tool_use, server_tool_use, tool_result, code_interpreter_call, logs,
+// file_search_call), or has neither a type nor any of the members above
+// nor a role; but not when it has a "source" and all its sources are
+// plain-text or content sources. So image_url, input_image, image,
 // input_audio, file, input_file, a document of a base64, url or file
 // source (a PDF) and unknown types count 85 each, whatever their size or
 // detail; a document of plain text or of content blocks counts its text

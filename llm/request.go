@@ -640,15 +640,19 @@ func (p *parser) part(message bool) error {
 				return syntax(err)
 			}
 			media = media || !textType(p.unquote(raw))
-		case "text", "content", "output", "summary", "tool_calls":
+		case "text", "content", "output", "summary", "tool_calls",
+			"outputs", "queries":
 			known = true
 			err = p.content()
 		case "input":
 			known = true
 			err = p.jsonText()
-		case "arguments", "name", "refusal", "thinking":
+		case "arguments", "name", "refusal", "thinking", "code", "logs":
 			known = true
 			err = p.strOrJSON()
+		case "results":
+			known = true
+			err = p.results()
 		case "source":
 			if p.dec.PeekKind() != '{' {
 				err = p.skip()
@@ -753,17 +757,59 @@ func (p *parser) source() (text, other bool, err error) {
 }
 
 // textType reports whether a part of that type carries text (or tool
-// calls and results) rather than media.
+// calls and results, or a code interpreter's logs) rather than media.
 func textType(t []byte) bool {
 	switch string(t) {
 	case "text", "input_text", "output_text", "refusal", "summary_text",
 		"message", "reasoning", "thinking",
 		"function", "function_call", "function_call_output",
 		"custom_tool_call", "custom_tool_call_output",
-		"tool_use", "server_tool_use", "tool_result":
+		"tool_use", "server_tool_use", "tool_result",
+		"code_interpreter_call", "logs", "file_search_call":
 		return true
 	}
 	return false
+}
+
+// results counts the "results" of a Responses API file_search_call: the
+// "text" of each result, a content value. Anything else in it counts
+// nothing (a result's file_id, filename, score and attributes).
+func (p *parser) results() error {
+	if p.dec.PeekKind() != '[' {
+		return p.skip()
+	}
+	if err := p.begin(); err != nil {
+		return err
+	}
+	for p.dec.PeekKind() != ']' {
+		if p.dec.PeekKind() != '{' {
+			if err := p.skip(); err != nil {
+				return err
+			}
+			continue
+		}
+		if err := p.begin(); err != nil {
+			return err
+		}
+		for p.dec.PeekKind() != '}' {
+			name, err := p.memberName()
+			if err != nil {
+				return err
+			}
+			if string(name) == "text" {
+				err = p.content()
+			} else {
+				err = p.skip()
+			}
+			if err != nil {
+				return err
+			}
+		}
+		if err := p.end(); err != nil {
+			return err
+		}
+	}
+	return p.end()
 }
 
 // textOptions reads the Responses API "text" object: its "format" counts

@@ -150,6 +150,16 @@ func TestParseRequestApprox(t *testing.T) {
 			`{"type":"function_call","call_id":"c1","name":"f","arguments":"{\"a\":1}"},` +
 			`{"type":"function_call_output","call_id":"c1","output":"result"},` +
 			`{"type":"message","role":"assistant","content":[{"type":"output_text","text":"Done."}]}]}`, 4 + 1 + 2 + 2 + 2, -1},
+		// Built-in tool calls given back as input: a code_interpreter_call's
+		// code (12 bytes: 3) and outputs, its logs (2: 1) and an image
+		// (85); a file_search_call's queries (12: 3) and its results' text
+		// (23: 6), not their file ids, names, scores nor attributes.
+		{"responses_code_interpreter_call", `{"input":[{"type":"code_interpreter_call","id":"ci_1","container_id":"cntr_1",` +
+			`"status":"completed","code":"print(1 + 1)","outputs":[{"type":"logs","logs":"2\n"},{"type":"image","url":"https://x/p.png"}]},` +
+			`{"type":"code_interpreter_call","id":"ci_2","container_id":"cntr_1","status":"failed","code":null,"outputs":null}]}`, 3 + 1 + 85, -1},
+		{"responses_file_search_call", `{"input":[{"type":"file_search_call","id":"fs_1","status":"completed","queries":["token bucket"],` +
+			`"results":[{"file_id":"file-1","filename":"a.md","score":0.9,"text":"A token bucket refills.","attributes":{"k":"not read"}},` +
+			`{"file_id":"file-2"}]},{"type":"file_search_call","id":"fs_2","status":"searching","queries":[],"results":null}]}`, 3 + 6, -1},
 		{"responses_text_format", `{"input":"abcd","text":{"verbosity":"low","format":` + textFormat + `}}`, 1 + ap(textFormat), -1},
 		{"responses_text_not_an_object", `{"input":"abcd","text":"ignored"}`, 1, -1},
 
@@ -263,6 +273,7 @@ func TestParseRequestBPE(t *testing.T) {
 			`"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}`, 14 + 85, 14 + 85},
 		{"special_tokens_as_text", `{"prompt":"<|endoftext|>"}`, 7, 7},
 		{"token_ids_one_each", `{"input":[[1,2,3],[4]]}`, 4, 4},
+		{"code_interpreter_call_code", `{"input":[{"type":"code_interpreter_call","code":"hello world"}]}`, 2, 2},
 		// A plain-text document's data, read before its type.
 		{"document_text_source", `{"messages":[{"role":"user","content":[{"type":"document",` +
 			`"source":{"data":"hello world","type":"text","media_type":"text/plain"}}]}]}`, 2, 2},
