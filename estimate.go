@@ -40,15 +40,16 @@ const (
 // response_format, tool calls and results (built-in ones included: the
 // code, logs and file search results of Responses API items), the text of
 // Anthropic documents of plain text or content blocks, 85 per image or
-// file part),
-// plus the completion budget: the body's max_completion_tokens,
-// max_tokens or max_output_tokens, else DefaultMaxTokens (none for
-// embeddings and moderations, nor for a body that asks no model for
-// output: see asksForOutput). The charge is
-// capped so that a request whose prompt fits the smallest tokens capacity
-// is never denied as cost_exceeds_capacity because of its budget (see
-// tokenEstimate.cost). The body is read once, up to MaxBody bytes, in one
-// linear pass, and given back whole to the next handler.
+// file part), plus the completion budget: the body's
+// max_completion_tokens, max_tokens or max_output_tokens, else
+// DefaultMaxTokens (none for embeddings and moderations, nor for a body
+// that asks no model for output: see asksForOutput), times the
+// completions asked for each prompt (n, best_of) and the prompts of a
+// legacy completions prompt array. The charge is capped so that a request
+// whose prompt fits the smallest tokens capacity is never denied as
+// cost_exceeds_capacity because of its budget (see tokenEstimate.cost).
+// The body is read once, up to MaxBody bytes, in one linear pass, and
+// given back whole to the next handler.
 type Estimate struct {
 	// MaxBody is the largest body read, in bytes: 1 to 1 GiB (default
 	// 1 MiB). A larger body is invalid.

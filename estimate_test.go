@@ -68,6 +68,9 @@ func TestEstimateTable(t *testing.T) {
 		{"four_bytes_one_token", nil, `{"prompt":"abcd","max_tokens":0}`, 1},
 		{"whitespace_around", nil, " \r\n\t{\"prompt\":\"abcd\",\"max_tokens\":3}\n", 4},
 		{"budget_at_max_cost", nil, `{"max_tokens":9007199254740991}`, MaxCost},
+		// Legacy completions: n completions for each of 3 prompts.
+		{"prompts_times_n", nil, `{"prompt":["abcd","abcd","abcd"],"max_tokens":100,"n":2}`, 3 + 3*2*100},
+		{"prompts_default_budget", nil, `{"prompt":[[1,2],[3]]}`, 3 + 2*1024},
 		{"name_in_another_case", nil, `{"max_tokens":5000,"MAX_TOKENS":1,"prompt":"abcd"}`, -1},
 		{"not_json", nil, `hello`, -1},
 		{"empty_body", nil, ``, 0}, // no body: 0 tokens (see noContent)

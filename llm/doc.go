@@ -143,5 +143,8 @@
 // Anthropic) and max_output_tokens (Responses API) are one budget:
 // Request.MaxTokens is the largest of them. Each must be null (absent)
 // or an integer from 0 to MaxCost written without fraction or exponent;
-// anything else makes the body invalid.
+// anything else makes the body invalid. Request.Budget multiplies it by
+// the completions asked for each prompt (n, best_of) and by the number of
+// prompts (a legacy completions prompt may be an array of prompts), at
+// most MaxCost.
 package llm

@@ -72,8 +72,8 @@ func FuzzParseRequest(f *testing.F) {
 // goServerReads checks that a Go server decoding an accepted body with
 // encoding/json (names matched in any case, the last non-null value kept,
 // duplicate objects merged) reads the model and stream the estimate read,
-// include_usage true where the estimate read it true, and no budget or n
-// above what the estimate charges.
+// include_usage true where the estimate read it true, and no budget, n or
+// number of prompts above what the estimate charges.
 func goServerReads(t *testing.T, body []byte, req Request) {
 	t.Helper()
 	var g struct {
@@ -83,6 +83,7 @@ func goServerReads(t *testing.T, body []byte, req Request) {
 		MaxCompletionTokens *int64 `json:"max_completion_tokens"`
 		MaxOutputTokens     *int64 `json:"max_output_tokens"`
 		N                   *int64 `json:"n"`
+		Prompt              any    `json:"prompt"`
 		StreamOptions       *struct {
 			IncludeUsage bool `json:"include_usage"`
 		} `json:"stream_options"`
@@ -107,6 +108,18 @@ func goServerReads(t *testing.T, body []byte, req Request) {
 	}
 	if g.N != nil && *g.N > max(req.Choices, 1) {
 		t.Fatalf("%q: a Go server reads n %d; the estimate %d", body, *g.N, req.Choices)
+	}
+	if ps, ok := g.Prompt.([]any); ok {
+		var n int64
+		for _, v := range ps {
+			switch v.(type) {
+			case string, []any:
+				n++
+			}
+		}
+		if n > max(req.Prompts, 1) {
+			t.Fatalf("%q: a Go server reads %d prompts; the estimate %d", body, n, req.Prompts)
+		}
 	}
 }
 

@@ -57,13 +57,22 @@ type Request struct {
 	// IncludeUsage is true when the last "stream_options" member is an
 	// object whose last "include_usage" member is true.
 	IncludeUsage bool
-	// Choices is how many completions the request asks for: the largest
-	// of every "n" (OpenAI chat and completions) and "best_of" (legacy
-	// completions) member, 1 when none is set (or set to 0 or null). Each
-	// completion may use the whole budget, so Budget multiplies by it: a
-	// body with "n":128 and "max_tokens":1000 may use 128,000 completion
-	// tokens.
+	// Choices is how many completions the request asks for per prompt:
+	// the largest of every "n" (OpenAI chat and completions) and "best_of"
+	// (legacy completions) member, 1 when none is set (or set to 0 or
+	// null). Each completion may use the whole budget, so Budget
+	// multiplies by it: a body with "n":128 and "max_tokens":1000 may use
+	// 128,000 completion tokens.
 	Choices int64
+	// Prompts is how many prompts the request sends: the number of
+	// strings and arrays in a "prompt" array (legacy completions: an
+	// array of prompts, ["a","b"], or of token id arrays, [[1,2],[3]]),
+	// 1 when prompt is a string, one array of token ids, anything else,
+	// or absent; of duplicate prompt members, the largest. Legacy
+	// completions generates Choices completions for each prompt, so
+	// Budget multiplies by it too: "prompt":["a","b","c"], "n":2 and
+	// "max_tokens":100 may use 600 completion tokens.
+	Prompts int64
 
 	// budgetSure: some budget member is a number in all its occurrences,
 	// so the provider's own default budget never applies.
@@ -72,8 +81,8 @@ type Request struct {
 }
 
 // Budget returns the completion budget to charge, in tokens: MaxTokens,
-// or defaultMax when the body sets no budget, times Choices (at most
-// MaxCost). When every budget member
+// or defaultMax when the body sets no budget, times Choices, times
+// Prompts (at most MaxCost). When every budget member
 // set to a number also has a null duplicate, the provider may read null
 // (the last duplicate wins) and apply its own default: Budget is then the
 // larger of MaxTokens and defaultMax.
@@ -85,11 +94,13 @@ func (r Request) Budget(defaultMax int64) int64 {
 	case !r.budgetSure:
 		b = max(r.MaxTokens, defaultMax)
 	}
-	if c := max(r.Choices, 1); b > 0 && c > 1 {
-		if c > MaxCost/b {
-			return MaxCost
+	for _, c := range [...]int64{r.Choices, r.Prompts} {
+		if b > 0 && c > 1 {
+			if c > MaxCost/b { // b*c > MaxCost, without overflow
+				return MaxCost
+			}
+			b *= c
 		}
-		b *= c
 	}
 	return b
 }
@@ -195,7 +206,7 @@ const (
 
 // parse reads the top-level object.
 func (p *parser) parse() (Request, error) {
-	req := Request{MaxTokens: -1, Choices: 1, rw: rewriteSpots{bodyLen: len(p.body)}}
+	req := Request{MaxTokens: -1, Choices: 1, Prompts: 1, rw: rewriteSpots{bodyLen: len(p.body)}}
 	if k := p.dec.PeekKind(); k != '{' {
 		if k == jsontext.KindInvalid {
 			_, err := p.dec.ReadToken()
@@ -261,7 +272,12 @@ func (p *parser) parse() (Request, error) {
 			}
 		case "messages":
 			err = p.messages()
-		case "system", "prompt", "input", "instructions", "suffix":
+		case "prompt":
+			var n int64
+			if n, err = p.prompts(); err == nil {
+				req.Prompts = max(req.Prompts, n)
+			}
+		case "system", "input", "instructions", "suffix":
 			err = p.content()
 		case "tools", "functions", "response_format":
 			err = p.jsonText()
@@ -537,30 +553,43 @@ func (p *parser) content() error {
 	case '"':
 		return p.str()
 	case '[':
-		return p.items()
+		_, err := p.items()
+		return err
 	case 'n':
 		return p.skip()
 	}
 	return p.jsonText()
 }
 
-// items counts the items of the array the decoder is at.
-func (p *parser) items() error {
+// prompts counts a "prompt" member as a content value and returns how
+// many prompts it holds (see Request.Prompts).
+func (p *parser) prompts() (int64, error) {
+	if p.dec.PeekKind() != '[' {
+		return 1, p.content()
+	}
+	n, err := p.items()
+	return max(n, 1), err
+}
+
+// items counts the items of the array the decoder is at, and returns how
+// many of them are strings or arrays.
+func (p *parser) items() (n int64, err error) {
 	if err := p.begin(); err != nil {
-		return err
+		return 0, err
 	}
 	for {
-		var err error
 		switch p.dec.PeekKind() {
 		case ']':
-			return p.end()
+			return n, p.end()
 		case '"':
+			n++
 			err = p.str()
 		case '0': // a token id
 			p.add(1)
 			err = p.skip()
 		case '[':
-			err = p.items()
+			n++
+			_, err = p.items()
 		case '{':
 			err = p.part(false)
 		case 'n':
@@ -569,7 +598,7 @@ func (p *parser) items() error {
 			err = p.jsonText()
 		}
 		if err != nil {
-			return err
+			return n, err
 		}
 	}
 }

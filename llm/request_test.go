@@ -606,6 +606,54 @@ func TestChoicesMultiplyBudget(t *testing.T) {
 	}
 }
 
+// TestPromptsMultiplyBudget: legacy completions' "prompt" may be an array
+// of prompts, strings or token id arrays, and n and best_of are "how many
+// completions to generate for each prompt": three prompts with "n":2 and
+// "max_tokens":100 may use 600 completion tokens. A string, or one array
+// of token ids, is one prompt.
+func TestPromptsMultiplyBudget(t *testing.T) {
+	for _, tc := range []struct {
+		body             string
+		budget           int64
+		prompts, choices int64
+	}{
+		{`{"prompt":"abcd","max_tokens":100}`, 100, 1, 1},
+		{`{"prompt":["a","b","c"],"max_tokens":100}`, 300, 3, 1},
+		{`{"prompt":["a","b","c"],"max_tokens":100,"n":2}`, 600, 3, 2},
+		{`{"prompt":[[1,2],[3,4],[5,6]],"max_tokens":100,"best_of":2,"n":1}`, 600, 3, 2},
+		{`{"prompt":["a","b"]}`, 2 * 1024, 2, 1}, // default_max_tokens
+		{`{"prompt":[1212,318,257],"max_tokens":100,"n":2}`, 200, 1, 2},
+		{`{"prompt":[],"max_tokens":100}`, 100, 1, 1},
+		{`{"prompt":null,"max_tokens":100}`, 100, 1, 1},
+		{`{"prompt":{"id":"pmpt_1"},"max_tokens":100}`, 100, 1, 1},
+		// Strings and arrays are prompts, other items are not.
+		{`{"prompt":["a",["b"],null,{"text":"c"},7,true],"max_tokens":10}`, 20, 2, 1},
+		// Of duplicate prompts, the most.
+		{`{"prompt":["a","b"],"prompt":"c","max_tokens":10}`, 20, 2, 1},
+		{`{"prompt":"c","prompt":["a","b","c","d"],"max_tokens":10}`, 40, 4, 1},
+		// Other requests send one prompt.
+		{`{"messages":[{"content":["a","b"]}],"input":["a","b","c"],"n":2,"max_tokens":10}`, 20, 1, 2},
+		// The product is bounded by MaxCost: 2 × (2^52 − 1) fits, 3 × 2^52
+		// and 2 × (2^53 − 1) do not.
+		{`{"prompt":["a","b"],"n":4503599627370495,"max_tokens":1}`, MaxCost - 1, 2, 4503599627370495},
+		{`{"prompt":["a","b","c"],"n":4503599627370496,"max_tokens":1}`, MaxCost, 3, 4503599627370496},
+		{`{"prompt":["a","b"],"best_of":9007199254740991,"max_tokens":9007199254740991}`, MaxCost, 2, MaxCost},
+	} {
+		req, err := ParseRequest([]byte(tc.body), nil)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.body, err)
+		}
+		if got := req.Budget(1024); got != tc.budget || req.Prompts != tc.prompts || req.Choices != tc.choices {
+			t.Errorf("%s: budget %d, prompts %d, choices %d; want %d, %d, %d",
+				tc.body, got, req.Prompts, req.Choices, tc.budget, tc.prompts, tc.choices)
+		}
+	}
+	// The prompts count as before: each text and token id.
+	if req, err := ParseRequest([]byte(`{"prompt":["abcd","abcdefgh",[1,2]]}`), nil); err != nil || req.PromptTokens != 1+2+2 {
+		t.Errorf("PromptTokens %d, %v; want 5", req.PromptTokens, err)
+	}
+}
+
 // TestBPEInvalidUTF8CountsEachByte: each invalid byte counts as the
 // U+FFFD a provider reads it as (one replacement for a whole run made
 // 100,000 invalid bytes one token).
