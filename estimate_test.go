@@ -199,6 +199,29 @@ func TestEstimateBodyReachesUpstreamIntact(t *testing.T) {
 	}
 }
 
+// TestEstimateComputerUseScreenshot: a computer-use turn gives back a
+// screenshot of some 300 KB (computer_call_output); it is one image part
+// (85 tokens), so a limit of 50,000 tokens admits the turn and settles it
+// at what it used. Read as text, its base64 made some 77,000 tokens,
+// refused as cost_exceeds_capacity.
+func TestEstimateComputerUseScreenshot(t *testing.T) {
+	lg := startLLMGateway(t, llmLimiter("user 50000 1/1h tokens", "cost estimate\n\t\t\tsettle"))
+	const tools = `[{"type":"computer_use_preview","display_width":1024,"display_height":768,"environment":"browser"}]`
+	body := `{"model":"computer-use-preview","truncation":"auto","max_output_tokens":1000,"tools":` + tools + `,` +
+		`"input":[{"call_id":"call_1","type":"computer_call_output","output":{"type":"computer_screenshot",` +
+		`"image_url":"data:image/png;base64,` + strings.Repeat("iVBORw0KGgoAAAANSUhEUgAA", 300<<10/24) + `"}}]}`
+	r := lg.post("/v1/responses", body, "X-User", "cu", "X-Test-Usage", "900,100")
+	want := int64((len(tools)+3)/4 + 85 + 1000)
+	if r.status != http.StatusOK || r.header.Get("X-Estimated-Cost") != strconv.FormatInt(want, 10) {
+		t.Fatalf("status %d, estimated %s, body %s; want 200, %d", r.status, r.header.Get("X-Estimated-Cost"), r.body, want)
+	}
+	lg.sync()
+	key := bucket.NewKeyer("rl:", "").Key("user", "cu", "tokens")
+	if got := storedTokens(t, lg.rdb, key); got != 50000-1000 {
+		t.Errorf("after settling 900 + 100 used, the bucket holds %d tokens, want %d", got, 50000-1000)
+	}
+}
+
 // TestEstimateInvalidBodyIs400: with on_invalid reject (the default), a
 // body the estimator cannot read is answered 400 invalid_body before Redis
 // or the upstream sees anything: not JSON, JSON that is not an object, a

@@ -80,7 +80,10 @@
 //	                           function_call_output's output, an assistant
 //	                           message's tool_calls, reasoning summaries, a
 //	                           code_interpreter_call's outputs, a
-//	                           file_search_call's queries)
+//	                           file_search_call's queries); but an object
+//	                           output is read as a part (a Responses
+//	                           computer_call_output's screenshot, one image
+//	                           part: its data URL is not read)
 //	input                      its raw JSON text (Anthropic tool_use input)
 //	arguments, name,           a string is one text, anything else its raw
 //	refusal, thinking,         JSON text: tool call arguments, the names of
@@ -105,13 +108,13 @@
 // message, reasoning, thinking, function, function_call,
 // function_call_output, custom_tool_call, custom_tool_call_output,
 // tool_use, server_tool_use, tool_result, code_interpreter_call, logs,
-// file_search_call), or has neither a type nor any of the members above
-// nor a role; but not when it has a "source" and all its sources are
-// plain-text or content sources. So image_url, input_image, image,
-// input_audio, file, input_file, a document of a base64, url or file
-// source (a PDF) and unknown types count 85 each, whatever their size or
-// detail; a document of plain text or of content blocks counts its text
-// (and 85 per image block) instead.
+// file_search_call, computer_call_output), or has neither a type nor any
+// of the members above nor a role; but not when it has a "source" and all
+// its sources are plain-text or content sources. So image_url,
+// input_image, image, input_audio, file, input_file, computer_screenshot,
+// a document of a base64, url or file source (a PDF) and unknown types
+// count 85 each, whatever their size or detail; a document of plain text
+// or of content blocks counts its text (and 85 per image block) instead.
 //
 // Not counted: the roles and per-message framing tokens the provider adds
 // (a few per message), tool_choice, metadata, and the budget itself, which

@@ -669,8 +669,15 @@ func (p *parser) part(message bool) error {
 				return syntax(err)
 			}
 			media = media || !textType(p.unquote(raw))
-		case "text", "content", "output", "summary", "tool_calls",
-			"outputs", "queries":
+		case "output":
+			known = true
+			if p.dec.PeekKind() == '{' {
+				// A computer_call_output's screenshot, an image part.
+				err = p.part(false)
+			} else {
+				err = p.content()
+			}
+		case "text", "content", "summary", "tool_calls", "outputs", "queries":
 			known = true
 			err = p.content()
 		case "input":
@@ -794,7 +801,8 @@ func textType(t []byte) bool {
 		"function", "function_call", "function_call_output",
 		"custom_tool_call", "custom_tool_call_output",
 		"tool_use", "server_tool_use", "tool_result",
-		"code_interpreter_call", "logs", "file_search_call":
+		"code_interpreter_call", "logs", "file_search_call",
+		"computer_call_output":
 		return true
 	}
 	return false

@@ -160,6 +160,12 @@ func TestParseRequestApprox(t *testing.T) {
 		{"responses_file_search_call", `{"input":[{"type":"file_search_call","id":"fs_1","status":"completed","queries":["token bucket"],` +
 			`"results":[{"file_id":"file-1","filename":"a.md","score":0.9,"text":"A token bucket refills.","attributes":{"k":"not read"}},` +
 			`{"file_id":"file-2"}]},{"type":"file_search_call","id":"fs_2","status":"searching","queries":[],"results":null}]}`, 3 + 6, -1},
+		// A computer_call_output's screenshot is one image part, its data
+		// URL or file id unread (as an input_image's).
+		{"responses_computer_call_output", `{"input":[{"type":"computer_call_output","call_id":"call_1",` +
+			`"output":{"type":"computer_screenshot","image_url":"data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAA"},` +
+			`"acknowledged_safety_checks":[{"id":"sc_1","code":"malicious_instructions","message":"Check the page."}]},` +
+			`{"type":"computer_call_output","call_id":"call_2","output":{"file_id":"file-1","type":"computer_screenshot"}}]}`, 2 * 85, -1},
 		{"responses_text_format", `{"input":"abcd","text":{"verbosity":"low","format":` + textFormat + `}}`, 1 + ap(textFormat), -1},
 		{"responses_text_not_an_object", `{"input":"abcd","text":"ignored"}`, 1, -1},
 
@@ -603,6 +609,27 @@ func TestChoicesMultiplyBudget(t *testing.T) {
 	}
 	if _, err := ParseRequest([]byte(`{"n":"3"}`), nil); err == nil {
 		t.Error(`"n":"3" parsed; want invalid`)
+	}
+}
+
+// TestScreenshotIsOneImage: a computer-use turn gives back a screenshot
+// of some 300 KB as a data URL; it counts MediaPartTokens, as the same
+// image does as an input_image, not its base64 as text (some 100,000
+// tokens, which a tokens limit refused as cost_exceeds_capacity).
+func TestScreenshotIsOneImage(t *testing.T) {
+	url := "data:image/png;base64," + strings.Repeat("iVBORw0KGgoAAAANSUhEUgAA", 300<<10/24)
+	for _, body := range []string{
+		`{"model":"computer-use-preview","truncation":"auto","input":[{"type":"computer_call_output","call_id":"call_1",` +
+			`"output":{"type":"computer_screenshot","image_url":"` + url + `"}}]}`,
+		`{"model":"gpt-4.1","input":[{"role":"user","content":[{"type":"input_image","image_url":"` + url + `"}]}]}`,
+	} {
+		for _, name := range []string{Approx, O200kBase} {
+			tok, _ := ParseTokenizer(name)
+			req, err := ParseRequest([]byte(body), tok)
+			if err != nil || req.PromptTokens != MediaPartTokens {
+				t.Errorf("%s, %.60s...: %d prompt tokens, %v; want %d", name, body, req.PromptTokens, err, MediaPartTokens)
+			}
+		}
 	}
 }
 
