@@ -213,6 +213,35 @@ func (h *Handler) reservationsExact() error {
 	return nil
 }
 
+// localShareHeld checks that local_share (0 < share < 1) scales every
+// limit: the share is read as a fraction (see bucket.RateFromFloat), and
+// each token bucket has a scaled Spec whose refill is at most its share of
+// the rate (see localSpec). A limit that could not be scaled would be
+// enforced whole by the in-process store, each gateway admitting more than
+// its share while Redis is away.
+func (h *Handler) localShareHeld() error {
+	share := h.LocalShare
+	if share <= 0 || share >= 1 {
+		return nil // the default, the whole limit, or refused by shareRule
+	}
+	if _, err := bucket.RateFromFloat(share); err != nil {
+		return fmt.Errorf("local_share %v: too small to scale the limits by: must be at least 1/%d", share, int64(math.MaxInt64))
+	}
+	for i, t := range h.Tiers {
+		for j, l := range t.Limits {
+			spec, err := l.spec()
+			if err != nil || l.Period != "" || l.Unit == UnitConcurrent {
+				continue // reported by Tier.validate, or scaled in capacity alone
+			}
+			if _, err := localSpec(l, spec, share); err != nil {
+				return fmt.Errorf("tiers[%d].limits[%d]: tier %q, dimension %q: local_share %v cannot scale refill_rate %v: %v; raise local_share",
+					i, j, t.Name, l.Dimension, share, l.RefillRate, err)
+			}
+		}
+	}
+	return nil
+}
+
 // modelPlaceholder is the request's model, set when its body is read.
 const modelPlaceholder = "{http.token_bucket.model}"
 
@@ -369,6 +398,9 @@ func (h *Handler) validate() error {
 	}
 	if err := shareRule(h.LocalShare); h.LocalShare != 0 && err != nil {
 		return fmt.Errorf("local_share %v: %v", h.LocalShare, err)
+	}
+	if err := h.localShareHeld(); err != nil {
+		return err
 	}
 	if err := positiveRule(int64(h.DenyCache)); h.DenyCache != 0 && h.DenyCache != -1 && err != nil {
 		return fmt.Errorf("deny_cache %d: %v, or -1 for off", h.DenyCache, err)

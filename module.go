@@ -188,7 +188,9 @@ type Handler struct {
 	// gateways, set it to 1/N so that together they admit about what the
 	// shared Redis would (default 1: each gateway enforces the full limits
 	// alone). Capacity becomes ⌊capacity·share⌋ (at least 1) and the refill
-	// rate refill·share. 0 < local_share ≤ 1.
+	// rate refill·share. 0 < local_share ≤ 1; a share that scales a refill
+	// rate below what the in-process store can hold (under about 10^-10
+	// tokens a second for a capacity of 1) is a config error.
 	LocalShare float64 `json:"local_share,omitempty"`
 
 	// DenyCache bounds the in-process cache of denials (default 100000

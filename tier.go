@@ -101,7 +101,7 @@ func compileTiers(dims []Dimension, tiers []Tier, defaultTier string, share floa
 				cl.local = bucket.QuotaSpec(localCapacity(l.Capacity, share))
 			default:
 				cl.policy = policyItem(cl.name, l.Capacity, l.RefillRate)
-				cl.local = localSpec(l, spec, share)
+				cl.local, _ = localSpec(l, spec, share) // validated (localShareHeld)
 			}
 			ct.limits = append(ct.limits, cl)
 		}
@@ -124,22 +124,20 @@ func compileTiers(dims []Dimension, tiers []Tier, defaultTier string, share floa
 // localSpec scales a limit by share (0 < share ≤ 1) for the in-process
 // store, so that N gateways deciding alone while Redis is away admit about
 // what one Redis would: capacity ⌊C·share⌋ (at least 1), refill r·share
-// (exactly, or just below: see bucket.ScaledSpec). Should no rate near
-// r·share be held with that capacity (capacities near 2^53 units), the
-// capacity alone is scaled.
-func localSpec(l Limit, spec bucket.Spec, share float64) bucket.Spec {
+// (exactly, or just below: see bucket.ScaledSpec). It fails when no Spec
+// of that capacity holds a rate at or just below r·share (a rate so low
+// that it is under one unit a microsecond at the finest scale the capacity
+// leaves room for, or a share too small to read as a fraction): then the
+// limit cannot be scaled, and validate refuses the local_share.
+func localSpec(l Limit, spec bucket.Spec, share float64) (bucket.Spec, error) {
 	if share <= 0 || share >= 1 {
-		return spec
+		return spec, nil
 	}
-	c := localCapacity(l.Capacity, share)
-	rate, err := bucket.RateFromFloat(l.RefillRate) // validated
-	if err == nil {
-		if s, err := bucket.ScaledSpec(c, rate, share); err == nil {
-			return s
-		}
+	rate, err := bucket.RateFromFloat(l.RefillRate)
+	if err != nil {
+		return bucket.Spec{}, err
 	}
-	spec.Capacity = c
-	return spec
+	return bucket.ScaledSpec(localCapacity(l.Capacity, share), rate, share)
 }
 
 // localCapacity is a capacity scaled by local_share: ⌊capacity·share⌋, at
