@@ -258,8 +258,10 @@ func TestCaddyfileAuditErrors(t *testing.T) {
 		{"audit twice", "audit on\naudit off", `duplicate subdirective "audit"`},
 		{"audit_client_ip yes", "audit_client_ip yes", `invalid audit_client_ip "yes": must be on or off`},
 		{"audit_window zero", "audit_window 0s", `invalid audit_window "0s": must be a duration > 0`},
-		{"audit_window not a duration", "audit_window soon", `invalid audit_window "soon": must be a duration > 0`},
+		{"audit_window not a duration", "audit_window soon", `invalid audit_window "soon": time: invalid duration "soon"`},
+		{"audit_window unknown unit", "audit_window 1y", `invalid audit_window "1y": time: unknown unit "y" in duration "1y"`},
 		{"audit_buckets zero", "audit_buckets 0", `invalid audit_buckets "0": must be a whole number > 0`},
+		{"audit_buckets not a number", "audit_buckets many", `invalid audit_buckets "many": strconv.Atoi: parsing "many": invalid syntax`},
 		{"audit_buckets two values", "audit_buckets 1 2", `audit_buckets ["1" "2"]: wrong argument count`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -148,8 +148,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				h.OnLimit = LimitReject
 			case len(args) == 2 && args[0] == LimitWait:
 				dur, perr := caddy.ParseDuration(args[1])
-				if perr != nil || maxWaitRule(dur) != nil {
-					return d.Errf("invalid on_limit wait %q: %v", args[1], maxWaitRule(max(dur, 0)))
+				if perr != nil {
+					return d.Errf("invalid on_limit wait %q: %v", args[1], perr)
+				}
+				if rerr := maxWaitRule(dur); rerr != nil {
+					return d.Errf("invalid on_limit wait %q: %v", args[1], rerr)
 				}
 				h.OnLimit, h.MaxWait = LimitWait, caddy.Duration(dur)
 			default:
@@ -159,7 +162,10 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			var v string
 			if v, err = oneArg(d); err == nil {
 				n, perr := strconv.Atoi(v)
-				if perr != nil || positiveRule(int64(n)) != nil {
+				if perr != nil {
+					return d.Errf("invalid max_waiting %q: %v", v, perr)
+				}
+				if positiveRule(int64(n)) != nil {
 					return d.Errf("invalid max_waiting %q: %v", v, errPositive)
 				}
 				h.MaxWaiting = n
@@ -168,8 +174,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			var v string
 			if v, err = oneArg(d); err == nil {
 				dur, perr := caddy.ParseDuration(v)
-				if perr != nil || millisRule(dur) != nil {
-					return d.Errf("invalid concurrency_lease %q: %v", v, millisRule(0))
+				if perr != nil {
+					return d.Errf("invalid concurrency_lease %q: %v", v, perr)
+				}
+				if rerr := millisRule(dur); rerr != nil {
+					return d.Errf("invalid concurrency_lease %q: %v", v, rerr)
 				}
 				h.ConcurrencyLease = caddy.Duration(dur)
 			}
@@ -185,7 +194,9 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if v, err = oneArg(d); err == nil {
 				if v == "off" {
 					h.DenyCache = -1
-				} else if n, perr := strconv.Atoi(v); perr != nil || positiveRule(int64(n)) != nil {
+				} else if n, perr := strconv.Atoi(v); perr != nil {
+					return d.Errf("invalid deny_cache %q: %v; it %v, or off", v, perr, errPositive)
+				} else if positiveRule(int64(n)) != nil {
 					return d.Errf("invalid deny_cache %q: %v, or off", v, errPositive)
 				} else {
 					h.DenyCache = n
@@ -195,7 +206,10 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			var v string
 			if v, err = oneArg(d); err == nil {
 				share, perr := strconv.ParseFloat(v, 64)
-				if perr != nil || shareRule(share) != nil {
+				if perr != nil {
+					return d.Errf("invalid local_share %q: %v", v, perr)
+				}
+				if shareRule(share) != nil {
 					return d.Errf("invalid local_share %q: %v", v, errShare)
 				}
 				h.LocalShare = share
@@ -260,7 +274,10 @@ func (h *Handler) unmarshalCost(d *caddyfile.Dispenser) error {
 		switch opt {
 		case "max_body":
 			size, err := humanize.ParseBytes(arg)
-			if err != nil || size > MaxEstimateBody || maxBodyRule(int64(size)) != nil {
+			if err != nil {
+				return d.Errf("invalid estimate max_body %q: %v", arg, err)
+			}
+			if size > MaxEstimateBody || maxBodyRule(int64(size)) != nil {
 				return d.Errf("invalid estimate max_body %q: %v", arg, errMaxBody)
 			}
 			e.MaxBody = int64(size)
@@ -282,7 +299,10 @@ func (h *Handler) unmarshalCost(d *caddyfile.Dispenser) error {
 			e.Tokenizer = arg
 		case "read_timeout":
 			dur, err := caddy.ParseDuration(arg)
-			if err != nil || durationRule(dur) != nil {
+			if err != nil {
+				return d.Errf("invalid estimate read_timeout %q: %v", arg, err)
+			}
+			if durationRule(dur) != nil {
 				return d.Errf("invalid estimate read_timeout %q: %v", arg, errDuration)
 			}
 			e.ReadTimeout = caddy.Duration(dur)
@@ -306,16 +326,25 @@ func (h *Handler) unmarshalDemote(d *caddyfile.Dispenser) error {
 		return d.Errf("invalid demote %q: demote [<dimension>] after <n> denials within <duration> to tier <name> for <duration>", args)
 	}
 	n, err := strconv.ParseInt(args[1], 10, 64)
-	if err != nil || countRule(n) != nil {
-		return d.Errf("invalid demote denials %q: %v", args[1], countRule(0))
+	if err != nil {
+		return d.Errf("invalid demote denials %q: %v", args[1], err)
+	}
+	if err := countRule(n); err != nil {
+		return d.Errf("invalid demote denials %q: %v", args[1], err)
 	}
 	within, err := caddy.ParseDuration(args[4])
-	if err != nil || millisRule(within) != nil {
-		return d.Errf("invalid demote window %q: %v", args[4], millisRule(0))
+	if err != nil {
+		return d.Errf("invalid demote window %q: %v", args[4], err)
+	}
+	if err := millisRule(within); err != nil {
+		return d.Errf("invalid demote window %q: %v", args[4], err)
 	}
 	span, err := caddy.ParseDuration(args[9])
-	if err != nil || millisRule(span) != nil {
-		return d.Errf("invalid demote duration %q: %v", args[9], millisRule(0))
+	if err != nil {
+		return d.Errf("invalid demote duration %q: %v", args[9], err)
+	}
+	if err := millisRule(span); err != nil {
+		return d.Errf("invalid demote duration %q: %v", args[9], err)
 	}
 	dm.Denials, dm.Within, dm.Tier, dm.For = n, caddy.Duration(within), args[7], caddy.Duration(span)
 	h.Demote = dm
@@ -422,7 +451,7 @@ func (h *Handler) unmarshalInt(d *caddyfile.Dispenser, name string) error {
 	}
 	n, err := strconv.Atoi(v)
 	if err != nil {
-		return d.Errf("invalid %s %q: %v", name, v, errPositive)
+		return d.Errf("invalid %s %q: %v", name, v, err)
 	}
 	var rule error
 	switch name {
@@ -495,7 +524,10 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 				return err
 			}
 			n, err := strconv.Atoi(v)
-			if err != nil || nonNegativeRule(n) != nil {
+			if err != nil {
+				return d.Errf("invalid redis %s %q: %v", opt, v, err)
+			}
+			if nonNegativeRule(n) != nil {
 				return d.Errf("invalid redis %s %q: %v", opt, v, errNonNegative)
 			}
 			switch opt {
@@ -530,7 +562,10 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 				return err
 			}
 			dur, err := caddy.ParseDuration(v)
-			if err != nil || durationRule(dur) != nil {
+			if err != nil {
+				return d.Errf("invalid redis %s %q: %v", opt, v, err)
+			}
+			if durationRule(dur) != nil {
 				return d.Errf("invalid redis %s %q: %v", opt, v, errDuration)
 			}
 			switch opt {
@@ -579,7 +614,10 @@ func unmarshalLimit(d *caddyfile.Dispenser) (Limit, error) {
 	}
 	if len(args) >= 3 && args[1] == "per" {
 		n, err := strconv.ParseInt(args[0], 10, 64)
-		if err != nil || capacityRule(n) != nil {
+		if err != nil {
+			return l, d.Errf("invalid quota amount %q for dimension %q: %v", args[0], l.Dimension, err)
+		}
+		if capacityRule(n) != nil {
 			return l, d.Errf("invalid quota amount %q for dimension %q: %v", args[0], l.Dimension, errCapacity)
 		}
 		if _, err := bucket.ParsePeriod(args[2]); err != nil {
@@ -599,7 +637,10 @@ func unmarshalLimit(d *caddyfile.Dispenser) (Limit, error) {
 	}
 	if len(args) == 2 && args[1] == UnitConcurrent {
 		n, err := strconv.ParseInt(args[0], 10, 64)
-		if err != nil || capacityRule(n) != nil {
+		if err != nil {
+			return l, d.Errf("invalid concurrent %q for dimension %q: %v", args[0], l.Dimension, err)
+		}
+		if capacityRule(n) != nil {
 			return l, d.Errf("invalid concurrent %q for dimension %q: %v", args[0], l.Dimension, errCapacity)
 		}
 		l.Capacity, l.Unit = n, UnitConcurrent
@@ -609,7 +650,10 @@ func unmarshalLimit(d *caddyfile.Dispenser) (Limit, error) {
 		return l, argErr(d, "limit "+l.Dimension, args, "<capacity> <refill> [requests|tokens], <amount> per day|week|month [requests|tokens] or <n> concurrent, then [models <glob>...] [shadow]")
 	}
 	capacity, err := strconv.ParseInt(args[0], 10, 64)
-	if err != nil || capacityRule(capacity) != nil {
+	if err != nil {
+		return l, d.Errf("invalid capacity %q for dimension %q: %v", args[0], l.Dimension, err)
+	}
+	if capacityRule(capacity) != nil {
 		return l, d.Errf("invalid capacity %q for dimension %q: %v", args[0], l.Dimension, errCapacity)
 	}
 	rate, err := bucket.ParseRate(args[1])
@@ -694,13 +738,19 @@ func (h *Handler) unmarshalAudit(d *caddyfile.Dispenser, name string) error {
 		}
 	case "audit_window":
 		dur, err := caddy.ParseDuration(v)
-		if err != nil || durationRule(dur) != nil {
+		if err != nil {
+			return d.Errf("invalid audit_window %q: %v", v, err)
+		}
+		if durationRule(dur) != nil {
 			return d.Errf("invalid audit_window %q: %v", v, errDuration)
 		}
 		h.AuditWindow = caddy.Duration(dur)
 	case "audit_buckets":
 		n, err := strconv.Atoi(v)
-		if err != nil || positiveRule(int64(n)) != nil {
+		if err != nil {
+			return d.Errf("invalid audit_buckets %q: %v", v, err)
+		}
+		if positiveRule(int64(n)) != nil {
 			return d.Errf("invalid audit_buckets %q: %v", v, errPositive)
 		}
 		h.AuditBuckets = n
