@@ -252,7 +252,7 @@ func (bt *bucketTarget) take() bucket.Take {
 
 // bucket answers a lookup, or a reset when reset is set.
 func (a *AdminAPI) bucket(w http.ResponseWriter, r *http.Request, reset bool) error {
-	p, err := readBucketParams(r)
+	p, err := readBucketParams(w, r)
 	if err != nil {
 		return err
 	}
@@ -344,16 +344,23 @@ func repeatedMember(raw []byte) string {
 // JSON fields.
 var bucketParamNames = []string{"handler", "tier", "dimension", "unit", "model", "period", "shadow", "identity", "id"}
 
+// maxParamsBody bounds a POST's JSON body of bucket parameters.
+const maxParamsBody = 64 << 10
+
 // readBucketParams reads the parameters from a POST's JSON body, or else
 // from the query string. An unknown parameter, a parameter given twice, or
-// parameters in both is 400.
-func readBucketParams(r *http.Request) (bucketParams, error) {
+// parameters in both is 400; a body over maxParamsBody is 413.
+func readBucketParams(w http.ResponseWriter, r *http.Request) (bucketParams, error) {
 	var p bucketParams
 	if r.Method == http.MethodPost && r.ContentLength != 0 {
 		if r.URL.RawQuery != "" {
 			return p, apiError(http.StatusBadRequest, "parameters: in the query string or in the JSON body, not both")
 		}
-		raw, err := io.ReadAll(io.LimitReader(r.Body, 64<<10))
+		raw, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxParamsBody))
+		var tooLarge *http.MaxBytesError
+		if errors.As(err, &tooLarge) {
+			return p, apiError(http.StatusRequestEntityTooLarge, fmt.Sprintf("reading the JSON body: larger than %d bytes (64 KiB)", tooLarge.Limit))
+		}
 		if err != nil {
 			return p, apiError(http.StatusBadRequest, "reading the JSON body: "+err.Error())
 		}

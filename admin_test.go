@@ -58,6 +58,11 @@ func adminDoOnce(method, target, body string) (int, string, error) {
 	return res.StatusCode, string(b), nil
 }
 
+// padBody pads a JSON body with trailing spaces to n bytes.
+func padBody(body string, n int) string {
+	return body + strings.Repeat(" ", n-len(body))
+}
+
 // adminBucket runs a bucket endpoint that must answer 200 and decodes it.
 func adminBucket(t *testing.T, method, target, body string) bucketState {
 	t.Helper()
@@ -210,6 +215,8 @@ func TestAdminBucketLookupExact(t *testing.T) {
 			userKey, 7, 10},
 		{"POST body", http.MethodPost, "/token_bucket/bucket", `{"handler":0,"tier":"adm_free","dimension":"user","identity":"alice"}`,
 			userKey, 7, 10},
+		{"POST body of exactly 64 KiB", http.MethodPost, "/token_bucket/bucket", padBody(`{"handler":0,"tier":"adm_free","dimension":"user","identity":"alice"}`, 64<<10),
+			userKey, 7, 10},
 		{"default handler and tier", http.MethodGet, bucketQuery("dimension", "user", "identity", "alice"), "",
 			userKey, 7, 10},
 		{"another tier's limit on the same bucket", http.MethodGet, bucketQuery("tier", "adm_pro", "dimension", "user", "identity", "alice"), "",
@@ -326,6 +333,10 @@ func TestAdminBucketErrors(t *testing.T) {
 			400, `reading the JSON body: one object, and nothing after it`},
 		{"two objects", "POST", "/token_bucket/bucket", `{"dimension":"user","identity":"` + secret + `"}{"dimension":"ip"}`,
 			400, `reading the JSON body: one object, and nothing after it`},
+		{"body over 64 KiB", "POST", "/token_bucket/bucket", padBody(`{"dimension":"user","identity":"`+secret+`"}`, 64<<10+1),
+			413, `reading the JSON body: larger than 65536 bytes (64 KiB)`},
+		{"body over 64 KiB, cut in a string", "POST", "/token_bucket/bucket", `{"dimension":"user","identity":"` + strings.Repeat("x", 64<<10) + `"}`,
+			413, `reading the JSON body: larger than 65536 bytes (64 KiB)`},
 		{"method", "PUT", bucketQuery("dimension", "user", "identity", secret), "",
 			405, `method PUT not allowed; use GET, POST, DELETE`},
 		{"reset by GET", "GET", "/token_bucket/bucket/reset", "",
