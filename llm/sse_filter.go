@@ -117,7 +117,6 @@ func (f *UsageChunkFilter) Write(p []byte) (int, error) {
 		if k < 0 {
 			f.evLen += len(p) - i
 			f.atLine, f.cr = false, false
-			i = len(p)
 			break
 		}
 		c := p[i+k]
