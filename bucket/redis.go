@@ -32,7 +32,12 @@ func (s Redis) Take(ctx context.Context, keys []string, takes []Take) (Decision,
 	if err := checkTakes(keys, takes); err != nil {
 		return Decision{}, err
 	}
-	args := appendArgs(make([]any, 0, len(takes)), takes)
+	return s.take(ctx, keys, takes)
+}
+
+// take is Take of keys and takes that checkTakes has passed.
+func (s Redis) take(ctx context.Context, keys []string, takes []Take) (Decision, error) {
+	args := appendArgs(make([]any, 0, argsLen(takes)), takes)
 	script := s.Script
 	if script == nil {
 		script = lua.TokenBucket
@@ -130,6 +135,17 @@ func appendArgs(args []any, takes []Take) []any {
 		args = append(args, lease)
 	}
 	return args
+}
+
+// argsLen is the length of takes' ARGV (see appendArgs): one value per
+// bucket, and the lease id after them when a take is a concurrency limit.
+func argsLen(takes []Take) int {
+	for _, t := range takes {
+		if t.Lease > 0 && t.LeaseID != "" {
+			return len(takes) + 1
+		}
+	}
+	return len(takes)
 }
 
 // ScriptArgs returns lua.TokenBucket's ARGV for takes, as Redis.Take sends

@@ -46,7 +46,7 @@ func (s Sharded) Take(ctx context.Context, keys []string, takes []Take) (Decisio
 	}
 	groups := groupByTag(keys)
 	if len(groups) == 1 {
-		return Redis{Client: s.Client}.Take(ctx, keys, takes)
+		return Redis{Client: s.Client}.take(ctx, keys, takes) // checked above
 	}
 	budget := refundBudget(ctx)
 	gkeys := make([][]string, len(groups))
