@@ -1520,30 +1520,32 @@ func heldPartialPost(t *testing.T, g *e2eGateway, spec bucket.Spec, user string,
 	return conn, held
 }
 
-// TestWaitSlowBodyKeepsNoPlace: max_waiting 1, "user 1 1/s", max_wait 2s.
-// A held POST whose client sends 10 of the 100 bytes its Content-Length
-// promises, and no more, keeps its place only while it is held: the body
-// is read ahead beside the hold, not before it ends. Another client's
-// request that needs a hold then finds the place free. It used to stay
+// TestWaitSlowBodyKeepsNoPlace: max_waiting 1, "user 1 1/s" and "ctl 1
+// 1/5s", max_wait 6s. A held POST whose client sends 10 of the 100 bytes
+// its Content-Length promises, and no more, keeps its place only while it
+// is held (at most 1 s, its user bucket's refill): the body is read ahead
+// beside the hold, not before it ends. Another client, whose ctl bucket
+// needs 5 s to refill, is refused the one place until then, and then
+// finds it free: its request is held and served. The place used to stay
 // taken for as long as the slow body lasted.
 func TestWaitSlowBodyKeepsNoPlace(t *testing.T) {
 	up := startWaitE2EUpstream(t)
-	g := startGateway(t, waitE2ESite(up.addr, "user 1 1/s", "on_limit wait 2s\n\t\tmax_waiting 1"))
-	spec := llmSpec(t, 1, "1/s")
-	heldPartialPost(t, g, spec, "slow", 1)
-	// The other client empties its bucket after the slow request's
-	// reservation, so it needs a hold until after that one ends.
-	if r := g.get("X-User", "other"); r.status != http.StatusOK {
+	g := startGateway(t, waitE2ESite(up.addr, "user 1 1/s\n\t\t\tctl 1 1/5s", "on_limit wait 6s\n\t\tmax_waiting 1"))
+	heldPartialPost(t, g, llmSpec(t, 1, "1/s"), "slow", 1)
+	// The other client empties its ctl bucket after the slow request's
+	// reservation: each request of it needs a hold of up to 5 s, which
+	// outlasts the slow request's.
+	if r := g.get("X-User", "other", "X-Ctl", "other"); r.status != http.StatusOK {
 		t.Fatalf("the other client's first request: %d", r.status)
 	}
-	// The slow request's hold ends within a second; until then the other
-	// client is refused the one place, and denied.
+	refused := 0
 	redistest.WaitFor(t, 30*time.Second, "the other client's request to be held and served", func() error {
-		r, err := g.tryGet("X-User", "other", "X-Req", "other")
+		r, err := g.tryGet("X-User", "other", "X-Ctl", "other", "X-Req", "other")
 		if err != nil {
 			return err
 		}
 		if r.status != http.StatusOK {
+			refused++
 			return fmt.Errorf("%d", r.status)
 		}
 		return nil
@@ -1551,6 +1553,7 @@ func TestWaitSlowBodyKeepsNoPlace(t *testing.T) {
 	if a, ok := up.seen()["other"]; !ok || a.waitMS <= 0 {
 		t.Errorf("the other client's request reached the upstream %v, held %d ms; want held", ok, a.waitMS)
 	}
+	t.Logf("refused a place %d times while the slow request was held", refused)
 }
 
 // TestWaitClientLeavesMidBody: a held POST whose client sends part of its
