@@ -271,7 +271,7 @@ func (h *Handler) decideDemote(x *exchange, store bucket.Redis, id string) verdi
 	if err != nil {
 		return invalidVerdict(t, err)
 	}
-	base := h.keyer.Key(h.demote.name, id, "")
+	base := h.keyer.KeyOf(h.demote.name, x.hash(h, h.demote.dim, id), "", "")
 	var state bucket.Demotion
 	var d bucket.Decision
 	var left time.Duration // what is left of the demotion

@@ -126,8 +126,10 @@ type inputs struct {
 	w        http.ResponseWriter
 	r        *http.Request
 	repl     *caddy.Replacer
-	ids      [8]string // by dimension, the first 8; "" = skipped
-	resolved uint8     // bit i: ids[i] is resolved
+	ids      [8]string      // by dimension, the first 8; "" = skipped
+	resolved uint8          // bit i: ids[i] is resolved
+	hashes   [8]bucket.Hash // by dimension: ids[i] hashed, for keys
+	hashed   uint8          // bit i: hashes[i] is set
 	est      tokenEstimate
 	cost     int64  // the cost template's value, once costSet
 	costSet  bool   // est or cost is set, or costErr
@@ -202,7 +204,21 @@ func (in *inputs) scopedKey(h *Handler, l *limit, id string) string {
 	if in.modelID == "" {
 		in.modelID = h.keyer.ID(in.est.model)
 	}
-	return h.keyer.Key(l.dimension, id, l.keyScope+in.modelID)
+	return h.keyer.KeyOf(l.dimension, in.hash(h, l.dim, id), l.keyScope, in.modelID)
+}
+
+// hash returns the <id> in keys of dimension i's identity id, hashed on
+// first use (past the first 8 dimensions, on every use).
+func (in *inputs) hash(h *Handler, i int, id string) *bucket.Hash {
+	if i >= len(in.hashes) {
+		hid := h.keyer.Hash(id)
+		return &hid
+	}
+	if in.hashed&(1<<i) == 0 {
+		in.hashes[i] = h.keyer.Hash(id)
+		in.hashed |= 1 << i
+	}
+	return &in.hashes[i]
 }
 
 // leaseID returns the request's lease id for its concurrency slots, made
@@ -281,7 +297,7 @@ func (h *Handler) bucketsOf(in *inputs, t *tier) *request {
 			scoped |= l.scope
 			key = in.scopedKey(h, l, id)
 		} else {
-			key = h.keyer.Key(l.dimension, id, l.keyUnit)
+			key = h.keyer.KeyOf(l.dimension, in.hash(h, l.dim, id), l.keyUnit, "")
 		}
 		req.keys = append(req.keys, key)
 		req.takes = append(req.takes, take)

@@ -211,3 +211,32 @@ func perfParallelism() int {
 	p := runtime.GOMAXPROCS(0)
 	return (perfClients + p - 1) / p
 }
+
+// BenchmarkKeysOfOneIdentity builds the keys of an identity's requests
+// and tokens buckets: hashed for each key (Key), and hashed once (Hash,
+// KeyOf), as the handler does.
+func BenchmarkKeysOfOneIdentity(b *testing.B) {
+	const identity = "sk-live-0123456789abcdef0123456789"
+	for _, secret := range []string{"", "s3cret"} {
+		k := NewKeyer("rl:", secret)
+		name := "sha256"
+		if secret != "" {
+			name = "hmac"
+		}
+		b.Run(name+"/key_each", func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				_ = k.Key("api_key", identity, "")
+				_ = k.Key("api_key", identity, "tokens")
+			}
+		})
+		b.Run(name+"/hash_once", func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				id := k.Hash(identity)
+				_ = k.KeyOf("api_key", &id, "", "")
+				_ = k.KeyOf("api_key", &id, "tokens", "")
+			}
+		})
+	}
+}

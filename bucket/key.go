@@ -57,11 +57,29 @@ func (k Keyer) ID(identity string) string {
 // requests limit. It allocates the key and nothing else, for an identity of
 // any length.
 func (k Keyer) Key(dimension, identity, unit string) string {
-	var id [IDLength]byte
+	id := k.Hash(identity)
+	return k.KeyOf(dimension, &id, unit, "")
+}
+
+// Hash is an identity's <id> in keys: see Keyer.
+type Hash [IDLength]byte
+
+// Hash returns identity's <id>, for KeyOf: an identity with several
+// buckets is hashed once.
+func (k Keyer) Hash(identity string) Hash {
+	var id Hash
 	k.appendID(id[:0], identity)
+	return id
+}
+
+// KeyOf returns the key of the bucket in dimension of the identity whose
+// <id> is id (see Hash), as Key does, with unit+more after it (both ""
+// for a requests limit): a model scope's key without joining its parts
+// first. It allocates the key and nothing else.
+func (k Keyer) KeyOf(dimension string, id *Hash, unit, more string) string {
 	n := len(k.prefix) + len(dimension) + IDLength + 3
-	if unit != "" {
-		n += 1 + len(unit)
+	if unit != "" || more != "" {
+		n += 1 + len(unit) + len(more)
 	}
 	var b strings.Builder
 	b.Grow(n)
@@ -71,9 +89,10 @@ func (k Keyer) Key(dimension, identity, unit string) string {
 	b.WriteByte(':')
 	b.Write(id[:])
 	b.WriteByte('}')
-	if unit != "" {
+	if unit != "" || more != "" {
 		b.WriteByte(':')
 		b.WriteString(unit)
+		b.WriteString(more)
 	}
 	return b.String()
 }

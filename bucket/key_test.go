@@ -75,3 +75,30 @@ func TestKeyAllocatesTheKeyOnly(t *testing.T) {
 		}
 	}
 }
+
+// TestKeyOfIsKey: a key built from an identity hashed once (Hash, KeyOf)
+// is the key Key builds, with or without a secret, for every unit, and
+// for a model scope given in two parts.
+func TestKeyOfIsKey(t *testing.T) {
+	for _, secret := range []string{"", "s3cret"} {
+		k := NewKeyer("rl:", secret)
+		for _, identity := range []string{"", "alice", "sk-live-0123456789", "203.0.113.7/32", "{x}:y"} {
+			id := k.Hash(identity)
+			if got := string(id[:]); got != k.ID(identity) {
+				t.Errorf("secret %q, %q: Hash %q, ID %q", secret, identity, got, k.ID(identity))
+			}
+			for _, unit := range []string{"", "tokens", "tokens:day", "concurrent"} {
+				if got, want := k.KeyOf("user", &id, unit, ""), k.Key("user", identity, unit); got != want {
+					t.Errorf("secret %q, %q, unit %q: KeyOf %q, Key %q", secret, identity, unit, got, want)
+				}
+			}
+			model := k.ID("gpt-4o")
+			if got, want := k.KeyOf("user", &id, "tokens:m:", model), k.Key("user", identity, "tokens:m:"+model); got != want {
+				t.Errorf("secret %q, %q, scoped: KeyOf %q, Key %q", secret, identity, got, want)
+			}
+			if got, want := k.KeyOf("user", &id, "", "m:"+model), k.Key("user", identity, "m:"+model); got != want {
+				t.Errorf("secret %q, %q, scoped requests: KeyOf %q, Key %q", secret, identity, got, want)
+			}
+		}
+	}
+}
