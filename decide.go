@@ -228,6 +228,7 @@ func (h *Handler) cachedDenial(v *verdict, x *exchange, tokens bool) bool {
 // which the deny cache is read stays small.
 func cachedVerdict(v *verdict, t *tier, req *request, hits []cachedBucket) {
 	sub, results := newDenial(len(hits))
+	sub.priced, sub.cost = req.priced, req.cost
 	for j, c := range hits {
 		sub.keys, sub.takes, sub.limits = append(sub.keys, req.keys[c.i]), append(sub.takes, req.takes[c.i]), append(sub.limits, req.limits[c.i])
 		results[j] = bucket.Result{Remaining: c.remaining, Reason: bucket.RateLimited, RetryAfterMS: c.waitMS}

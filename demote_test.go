@@ -132,9 +132,19 @@ func TestDemotionWaitWithOnLimitWait(t *testing.T) {
 // tier and in the penalty tier (one round trip decides on either), and
 // {http.token_bucket.cost} is the price in the tier that decided: the own
 // tier's 500 while the user is not demoted, the penalty tier's 100 (its
-// capacity caps the estimate) once demoted.
+// capacity caps the estimate) once demoted; none when the penalty tier
+// has no tokens limit.
 func TestDemotionCostPlaceholder(t *testing.T) {
-	lg := startLLMGateway(t, `token_bucket {
+	for _, tc := range []struct {
+		name, penalty string
+		demoted       []string // status and cost of the demoted request
+	}{
+		{"penalty_tokens", "user 100 1/1h tokens", []string{"200", "100"}},
+		// Unset: Caddy's header directive leaves the placeholder as it is.
+		{"penalty_requests", "user 100 1/1h", []string{"429", "{http.token_bucket.cost}"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			lg := startLLMGateway(t, `token_bucket {
 			redis redis://REDIS_ADDR {
 				timeout 10s
 			}
@@ -144,18 +154,17 @@ func TestDemotionCostPlaceholder(t *testing.T) {
 				user 100000 1/1h tokens
 			}
 			tier penalty {
-				user 100 1/1h tokens
+				`+tc.penalty+`
 			}
 			demote after 1 denials within 1m to tier penalty for 1m
 			cost estimate
 		}`)
-	for i, want := range []struct {
-		status int
-		cost   string
-	}{{200, "500"}, {200, "500"}, {429, "500"}, {200, "100"}} {
-		r := lg.post("/v1/chat/completions", chat500, "X-User", "priced", "Content-Type", "application/json")
-		if r.status != want.status || r.header.Get("X-Estimated-Cost") != want.cost {
-			t.Errorf("request %d: %d with cost %q, want %d with %s: %s", i+1, r.status, r.header.Get("X-Estimated-Cost"), want.status, want.cost, r.body)
-		}
+			for i, want := range [][]string{{"200", "500"}, {"200", "500"}, {"429", "500"}, tc.demoted} {
+				r := lg.post("/v1/chat/completions", chat500, "X-User", "priced", "Content-Type", "application/json")
+				if cost := r.header.Get("X-Estimated-Cost"); strconv.Itoa(r.status) != want[0] || cost != want[1] {
+					t.Errorf("request %d: %d with cost %q, want %s with %q: %s", i+1, r.status, cost, want[0], want[1], r.body)
+				}
+			}
+		})
 	}
 }

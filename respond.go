@@ -463,10 +463,11 @@ func (h *Handler) record(x *exchange, v *verdict) {
 		return
 	}
 	// The price in the tier that decided, not in another the request was
-	// priced in (demote prices both); a cached denial's buckets are not
-	// priced, the request's may be.
+	// priced in (demote prices both): none when that tier has no tokens
+	// limit. A verdict without buckets (on_redis_error allow or deny) is
+	// the request's own tier's.
 	req := v.req
-	if req == nil || !req.priced {
+	if req == nil {
 		req = x.req
 	}
 	if req != nil && req.priced {
