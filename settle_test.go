@@ -500,3 +500,38 @@ func TestClusterSettlementInPart(t *testing.T) {
 		t.Errorf("the request for 600 after the refund: %d, want 200 (Redis decides again)", s)
 	}
 }
+
+// TestStreamWithNullErrorKeepsItsEstimate: an OpenAI-compatible upstream
+// that writes "error": null in its successful chunks, as OpenRouter does,
+// streams a completion without usage (settle without include_usage): the
+// model ran, so the estimate of 501 stands; only a stream that opens with
+// an error object gives it back.
+func TestStreamWithNullErrorKeepsItsEstimate(t *testing.T) {
+	up := startRawUpstream(t, func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"error\":null,\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"Hello\"}}]}\n\n")
+		io.WriteString(w, "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"error\":null,\"choices\":[{\"index\":0,\"delta\":{\"content\":\" world\"},\"finish_reason\":\"stop\"}]}\n\n")
+		io.WriteString(w, "data: [DONE]\n\n")
+	})
+	g := startGateway(t, llmSite(up, llmLimiter("user 100000 1/1h tokens", "cost estimate\n\t\t\tsettle")))
+	notReported := tbMetrics.settleChildren[llm.NotReported.String()]
+	before := testutil.ToFloat64(notReported)
+	// The settlement runs before the handler returns, so before the
+	// chunked answer ends.
+	r := g.send(http.MethodPost, "v1/chat/completions",
+		strings.NewReader(`{"model":"gpt-4o-mini","stream":true,"max_tokens":500,"messages":[{"role":"user","content":"Hi!"}]}`),
+		"X-User", "nullerr", "Content-Type", "application/json")
+	if r.status != http.StatusOK || r.header.Get("X-Estimated-Cost") != "501" {
+		t.Fatalf("status %d, estimated %q: %s", r.status, r.header.Get("X-Estimated-Cost"), r.body)
+	}
+	if n := testutil.ToFloat64(notReported) - before; n != 1 {
+		t.Errorf("settlements_total{outcome=\"not_reported\"} grew by %v, want 1", n)
+	}
+	key := bucket.NewKeyer("rl:", "").Key("user", "nullerr", "tokens")
+	if v := g.value(key); v == "" {
+		t.Fatalf("the bucket is full: the estimate was given back")
+	}
+	if got := storedTokens(t, g.rdb, key); got != 100000-501 {
+		t.Errorf("the bucket holds %d tokens, want %d (the estimate stands)", got, 100000-501)
+	}
+}

@@ -133,7 +133,7 @@ func (l *sseLines) endLine(c byte) {
 func (l *sseLines) dispatch(b *usageBody) {
 	if l.dataLines > 0 {
 		if b.events == 0 {
-			b.firstError = b.scan.errorTop
+			b.firstError = b.scan.errorObj
 		}
 		b.events++
 	}

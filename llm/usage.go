@@ -301,8 +301,9 @@ func (r *UsageReader) ErrorObject() bool {
 }
 
 // OpenedWithError reports whether the body is an event stream whose first
-// event with data is an error object (a JSON object with a top-level
-// "error" member): Anthropic answers an overload that comes after its 200
+// event with data is an error object (a JSON object whose top-level
+// "error" member is an object; not null, as OpenRouter's chunks carry it
+// when all is well): Anthropic answers an overload that comes after its 200
 // this way, with an error event in place of message_start
 // (https://docs.anthropic.com/en/api/errors, "When receiving a streaming
 // response via SSE, it's possible that an error can occur after returning
@@ -312,7 +313,7 @@ func (r *UsageReader) ErrorObject() bool {
 // decoded it: call it after Result.
 func (r *UsageReader) OpenedWithError() bool {
 	b := &r.body
-	return !r.unknown && b.sse && (b.firstError || b.events == 0 && b.scan.errorTop)
+	return !r.unknown && b.sse && (b.firstError || b.events == 0 && b.scan.errorObj)
 }
 
 // IsIdentity reports whether a Content-Encoding list applies no content

@@ -40,7 +40,9 @@ type jsonScan struct {
 	capturing bool // reading a usage value (after its colon)
 	capDepth  int  // the depth of its member
 
-	errorTop bool // the top-level object has an "error" member
+	errorTop  bool // the top-level object has an "error" member
+	errorNext bool // the next value is the top-level "error" member's
+	errorObj  bool // the top-level "error" member's value is an object
 }
 
 // maxName is the longest raw member name kept: "response" with every
@@ -104,12 +106,15 @@ func (s *jsonScan) feed(b *usageBody, p []byte) {
 				s.done = true // not an object
 				break
 			}
-			s.inStr = true
+			s.inStr, s.errorNext = true, false
 			if s.want {
 				s.want, s.inName, s.nameN = false, true, 0
 				s.nameAppend(p[i : i+1])
 			}
 		case '{', '[':
+			if s.errorNext {
+				s.errorNext, s.errorObj = false, c == '{'
+			}
 			if s.depth == 0 {
 				if c == '[' {
 					s.done = true
@@ -153,10 +158,12 @@ func (s *jsonScan) feed(b *usageBody, p []byte) {
 			if !s.capturing && s.member == memberUsage && s.tracked() {
 				s.capturing, s.capDepth, capStart = true, s.depth, i+1
 			}
+			s.errorNext = s.member == memberError && s.depth == 1
 		default:
 			if s.depth == 0 {
 				s.done = true // not an object
 			}
+			s.errorNext = false // null, false, a number
 		}
 		i++
 	}

@@ -526,10 +526,6 @@ func TestIsIdentity(t *testing.T) {
 	}
 }
 
-// TestErrorObject: a JSON body whose top-level object has an "error"
-// member is the provider's error object, however it is written or
-// encoded, and split at any byte; a nested "error", a proxy's page and an
-// event stream are not.
 // TestOpenedWithError: an event stream whose first event with data is an
 // error object, as Anthropic sends an overload after its 200, opened with
 // an error; one whose error comes after another event, or whose first
@@ -548,6 +544,12 @@ func TestOpenedWithError(t *testing.T) {
 		{"after_message_start", sse, "event: message_start\ndata: " + start + "\n\nevent: error\ndata: " + overloaded + "\n\n", false},
 		{"message_start", sse, "event: message_start\ndata: " + start + "\n\n", false},
 		{"nested_error", sse, "data: {\"type\":\"x\",\"data\":{\"error\":1}}\n\n", false},
+		// OpenRouter's chunks carry "error": null when all is well.
+		{"error_null_with_content", sse, "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"error\":null," +
+			"\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}]}\n\ndata: [DONE]\n\n", false},
+		{"error_false", sse, "data: {\"error\":false,\"choices\":[]}\n\n", false},
+		{"error_string", sse, "data: {\"error\":\"x\"}\n\n", false},
+		{"error_object_after_null_members", sse, "data: {\"id\":null,\"error\" : {\"message\":\"x\"}}\n\n", true},
 		{"empty", sse, "", false},
 		{"json_body", "application/json", overloaded, false},
 	} {
@@ -577,6 +579,10 @@ func TestOpenedWithError(t *testing.T) {
 	}
 }
 
+// TestErrorObject: a JSON body whose top-level object has an "error"
+// member is the provider's error object, however it is written or
+// encoded, and split at any byte; a nested "error", a proxy's page and an
+// event stream are not.
 func TestErrorObject(t *testing.T) {
 	for _, tc := range []struct {
 		name, contentType, body string
