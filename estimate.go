@@ -42,8 +42,7 @@ const (
 // Anthropic documents of plain text or content blocks, 85 per image or
 // file part), plus the completion budget: the body's
 // max_completion_tokens, max_tokens or max_output_tokens, else
-// DefaultMaxTokens (none for embeddings and moderations, nor for a body
-// that asks no model for output: see asksForOutput), times the
+// DefaultMaxTokens (none for embeddings and moderations), times the
 // completions asked for each prompt (n, best_of) and the prompts of a
 // legacy completions prompt array. The charge is capped so that a request
 // whose prompt fits the smallest tokens capacity is never denied as
@@ -151,8 +150,8 @@ func (e tokenEstimate) cost(capacity int64) int64 {
 // streamUsage (settle { include_usage }), an OpenAI chat or completions
 // stream (see includesUsage) that does not ask for its usage is sent on
 // with stream_options.include_usage added. A request without a body (see
-// noContent), a token count (see countsTokens) and a form (see formBody)
-// are 0 tokens. A body
+// noContent), a token count (see countsTokens), a stored object (see
+// storesObjects) and a form (see formBody) are 0 tokens. A body
 // that cannot be read is errInvalidBody, or, with on_invalid <cost>, an
 // estimate of that cost with no completion budget; a body that does not
 // arrive in time is errBodyTimeout, one over request_body's max_size
@@ -185,11 +184,11 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		est.read = read // a whole body priced on_invalid is in memory all the same
 		return est, err
 	}
-	if countsTokens(r.URL.Path) {
+	if countsTokens(r.URL.Path) || storesObjects(r.URL.Path) {
 		return tokenEstimate{model: req.Model, noInference: true, read: true}, nil
 	}
 	defaultMax := e.DefaultMaxTokens
-	if !completes(r.URL.Path) || !asksForOutput(req) {
+	if !completes(r.URL.Path) {
 		defaultMax = 0
 	}
 	est := tokenEstimate{prompt: req.PromptTokens, completion: req.Budget(defaultMax), model: req.Model, read: true}
@@ -224,16 +223,32 @@ func completes(path string) bool {
 	return !endsIn(path, "/embeddings", "/embed", "/moderations")
 }
 
-// asksForOutput reports whether a request whose body sets no budget asks
-// a model for output, and so is charged default_max_tokens: it names a
-// model or carries text the estimate reads (a prompt, messages, input).
-// The JSON POSTs that manage stored objects carry neither (OpenAI's
-// uploads and their completion, vector stores and their files, a chat
-// completion's metadata update: the SDKs' uploads.create,
-// vectorStores.create, chat.completions.update), and their answers
-// report no usage to settle, so a default budget would stay charged.
-func asksForOutput(req llm.Request) bool {
-	return req.Model != "" || req.PromptTokens > 0
+// storesObjects reports whether a request to path creates or changes a
+// stored object of OpenAI's API, which runs no model: an upload (and its
+// completion), a vector store (and its files and searches), a fine-tuning
+// job, an assistant, a thread or its messages (but not a run: a path with
+// a "runs" segment), a conversation or its items, an eval, a container,
+// or a stored chat completion's metadata (/chat/completions/<id>): the
+// SDKs' uploads, vectorStores, fineTuning.jobs, beta.assistants,
+// beta.threads, conversations, evals, containers and
+// chat.completions.update. Their answers report no usage, so an estimate
+// charged to them would never be given back. A trailing slash is
+// ignored.
+func storesObjects(path string) bool {
+	threads, runs := false, false
+	var last [3]string // the last three segments, the last one last
+	for seg := range strings.SplitSeq(strings.TrimRight(path, "/"), "/") {
+		switch seg {
+		case "uploads", "vector_stores", "fine_tuning", "assistants", "conversations", "evals", "containers":
+			return true
+		case "threads":
+			threads = true
+		case "runs":
+			runs = true
+		}
+		last = [3]string{last[1], last[2], seg}
+	}
+	return threads && !runs || last[0] == "chat" && last[1] == "completions" && last[2] != ""
 }
 
 // endsIn reports whether path, less a trailing slash, ends in one of

@@ -54,14 +54,7 @@ func TestEstimateTable(t *testing.T) {
 		{"configured_default", &Estimate{DefaultMaxTokens: 256}, `{"messages":[{"role":"user","content":"Hi!"}]}`, 1 + 256},
 		{"null_max_tokens_default", nil, `{"messages":[{"role":"user","content":"Hi!"}],"max_tokens":null}`, 1 + 1024},
 		{"model_alone_default", nil, `{"model":"gpt-4o-mini"}`, 1024},
-		// Bodies that ask no model for output (no model, no text): the
-		// SDKs' uploads.create, uploads.complete, vectorStores.create and
-		// chat.completions.update. No default budget.
-		{"upload_no_budget", nil, `{"purpose":"assistants","filename":"notes.txt","bytes":2048,"mime_type":"text/plain"}`, 0},
-		{"upload_complete_no_budget", nil, `{"part_ids":["part_abc","part_def"]}`, 0},
-		{"vector_store_no_budget", nil, `{"name":"docs","file_ids":["file-abc"]}`, 0},
-		{"metadata_update_no_budget", nil, `{"metadata":{"topic":"billing"}}`, 0},
-		{"empty_object_no_budget", nil, `{}`, 0},
+		{"empty_object_default", nil, `{}`, 1024},
 		// UTF-8 bytes, not runes: 30 + 15 bytes are ⌈30/4⌉ + ⌈15/4⌉ = 12.
 		{"utf8_bytes_not_runes", nil,
 			`{"messages":[{"role":"user","content":"日本語のテキストです"},{"role":"user","content":"👋🌍🚀✨"}],"max_tokens":0}`, 12},
@@ -457,5 +450,56 @@ func TestOversizedFormThatNeverComesTimesOut(t *testing.T) {
 	}
 	if len(lg.up.requests()) != 0 {
 		t.Errorf("%d upstream requests, want none", len(lg.up.requests()))
+	}
+}
+
+// TestEstimateStoredObjects: a JSON POST that creates or changes a stored
+// object of OpenAI's API runs no model and its answer reports no usage: it
+// costs 0 tokens and is not settled (see storesObjects), whatever its body
+// (a model, instructions, messages). A request that runs a model is
+// estimated as always, whatever its path: a run, a chat completion, a
+// batch, another API's path.
+func TestEstimateStoredObjects(t *testing.T) {
+	e := &Estimate{}
+	if err := e.provision(); err != nil {
+		t.Fatal(err)
+	}
+	const text = `"Write a 3,000-word essay on rate limiting."` // 11 tokens
+	for _, tc := range []struct {
+		name, path, body string
+		want             int64 // -1: stored, 0 tokens and not settled
+	}{
+		{"upload", "/v1/uploads", `{"purpose":"assistants","filename":"notes.txt","bytes":2048,"mime_type":"text/plain"}`, -1},
+		{"upload_complete", "/v1/uploads/upload_abc/complete", `{"part_ids":["part_abc"]}`, -1},
+		{"vector_store", "/v1/vector_stores", `{"name":"docs","file_ids":["file-abc"]}`, -1},
+		{"vector_store_search", "/v1/vector_stores/vs_abc/search", `{"query":` + text + `}`, -1},
+		{"fine_tuning_job", "/v1/fine_tuning/jobs", `{"model":"gpt-4o-mini-2024-07-18","training_file":"file-abc"}`, -1},
+		{"assistant", "/v1/assistants", `{"model":"gpt-4o","instructions":` + text + `}`, -1},
+		{"assistant_update", "/v1/assistants/asst_abc/", `{"model":"gpt-4o-mini"}`, -1},
+		{"thread", "/v1/threads", `{"messages":[{"role":"user","content":` + text + `}]}`, -1},
+		{"thread_message", "/v1/threads/thread_abc/messages", `{"role":"user","content":` + text + `}`, -1},
+		{"conversation_items", "/v1/conversations/conv_abc/items", `{"items":[{"type":"message","role":"user","content":` + text + `}]}`, -1},
+		{"chat_completion_metadata", "/v1/chat/completions/chatcmpl-abc", `{"metadata":{"topic":"billing"}}`, -1},
+		{"run", "/v1/threads/thread_abc/runs", `{"assistant_id":"asst_abc","additional_instructions":` + text + `}`, 1024},
+		{"thread_and_run", "/v1/threads/runs", `{"assistant_id":"asst_abc","thread":{"messages":[{"role":"user","content":` + text + `}]}}`, 1024},
+		{"chat_completion", "/v1/chat/completions", `{"model":"gpt-4o","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"azure_deployment", "/openai/deployments/gpt-4o/chat/completions", `{"messages":[{"role":"user","content":""}]}`, 1024},
+		{"batch", "/v1/batches", `{"input_file_id":"file-abc","endpoint":"/v1/chat/completions","completion_window":"24h"}`, 1024},
+		{"vertex_gemini", "/v1/projects/p/locations/l/publishers/google/models/gemini-2.5-flash:generateContent",
+			`{"contents":[{"role":"user","parts":[{"text":` + text + `}]}]}`, 1024},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			req := httptest.NewRequest(http.MethodPost, tc.path, strings.NewReader(tc.body))
+			est, err := e.estimate(httptest.NewRecorder(), req, false)
+			got := est.prompt + est.completion
+			switch {
+			case err != nil:
+				t.Fatal(err)
+			case tc.want < 0 && (got != 0 || !est.noInference):
+				t.Errorf("estimate %d, not settled %v; want 0 and not settled", got, est.noInference)
+			case tc.want >= 0 && (got != tc.want || est.noInference):
+				t.Errorf("estimate %d, not settled %v; want %d and settled", got, est.noInference, tc.want)
+			}
+		})
 	}
 }
