@@ -174,10 +174,11 @@ func (h *Handler) compile() error {
 	h.cost, _ = staticCost(h.Cost)
 	// An unknown placeholder is an error, not a secret of its own text;
 	// one that evaluates empty (an unset variable) means no secret, which
-	// Provision logs. The error names the placeholder, never the secret.
+	// Provision logs. The error shows no part of the value: the braces may
+	// be a literal secret's.
 	secret, err := caddy.NewReplacer().ReplaceOrErr(h.KeySecret, false, true)
 	if err != nil {
-		return fmt.Errorf("key_secret: %v", err)
+		return errors.New(`key_secret: an unknown placeholder (a literal "{" or "}" in the secret is written \{ or \})`)
 	}
 	h.keyer = bucket.NewKeyer(h.KeyPrefix, secret)
 	if h.now == nil {

@@ -283,7 +283,7 @@ var jsonErrorCases = []struct {
 		`local_share 1e-19: too small to scale the limits by: must be at least 1/9223372036854775807`},
 	{"redis db negative", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"address": ["127.0.0.1:1"], "db": -1`, 1), `redis.db -1: must be a whole number ≥ 0 (0: the default)`},
 	{"redis timeout negative", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"address": ["127.0.0.1:1"], "timeout": "-1s"`, 1), `redis.timeout -1s: must be a duration > 0`},
-	{"key_secret unknown placeholder", jsonErrorField(`"key_secret": "{secret.key}"`), `key_secret: unrecognized placeholder {secret.key}`},
+	{"key_secret unknown placeholder", jsonErrorField(`"key_secret": "{secret.key}"`), `key_secret: an unknown placeholder (a literal "{" or "}" in the secret is written \{ or \})`},
 	{"redis url scheme", strings.Replace(validHandlerJSON, `"address": ["127.0.0.1:1"]`, `"url": "http://127.0.0.1:1"`, 1), `redis.url: `},
 }
 
@@ -398,5 +398,13 @@ func TestKeySecretUnsetVariable(t *testing.T) {
 	}
 	if want := bucket.NewKeyer("rl:", "s3cret").Key("user", "alice", ""); h.keyer.Key("user", "alice", "") != want || !h.keyer.Keyed() {
 		t.Errorf("the key of alice is %q, want %q (HMAC under the variable's value)", h.keyer.Key("user", "alice", ""), want)
+	}
+	// Literal braces, escaped as the error says.
+	h = handler(`s3\{cret\}`)
+	if err := h.compile(); err != nil {
+		t.Fatal(err)
+	}
+	if want := bucket.NewKeyer("rl:", "s3{cret}").Key("user", "alice", ""); h.keyer.Key("user", "alice", "") != want {
+		t.Errorf("with an escaped literal secret, the key of alice is %q, want %q", h.keyer.Key("user", "alice", ""), want)
 	}
 }
