@@ -175,10 +175,17 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		req, err = llm.ParseRequest(body, e.tok)
 	}
 	if err != nil {
-		if uploads(r.URL.Path) && e.formBody(w, r, body) {
-			// An audio transcription, a file upload: no text or model the
-			// estimate reads. 0 tokens; usage its answer reports settles it.
-			return tokenEstimate{read: read}, nil
+		if uploads(r.URL.Path) {
+			form, ferr := e.formBody(w, r, body)
+			if ferr != nil {
+				return tokenEstimate{}, ferr
+			}
+			if form {
+				// An audio transcription, a file upload: no text or model
+				// the estimate reads. 0 tokens; usage its answer reports
+				// settles it.
+				return tokenEstimate{read: read}, nil
+			}
 		}
 		est, err := e.invalid()
 		est.read = read // a whole body priced on_invalid is in memory all the same
@@ -291,18 +298,18 @@ func uploads(path string) bool {
 
 // formBody reports whether r's body, of which prefix was read (nil when
 // its Content-Length was over max_body: then up to 512 bytes are read here,
-// within read_timeout, and given back), is an HTML form:
-// multipart/form-data (OpenAI's audio
+// within read_timeout, and given back; errBodyTimeout when they do not
+// arrive in time), is an HTML form: multipart/form-data (OpenAI's audio
 // transcriptions and translations, file uploads, image edits) or
 // application/x-www-form-urlencoded, by its Content-Type and by its first
 // byte that is not a space, which is not a JSON object's or array's. A
 // JSON body labelled a form, which a server that ignores Content-Type
 // (Go's encoding/json behind gin or net/http) would still read, is not
 // one.
-func (e *Estimate) formBody(w http.ResponseWriter, r *http.Request, prefix []byte) bool {
+func (e *Estimate) formBody(w http.ResponseWriter, r *http.Request, prefix []byte) (bool, error) {
 	mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
 	if err != nil || mt != "multipart/form-data" && mt != "application/x-www-form-urlencoded" {
-		return false
+		return false, nil
 	}
 	if prefix == nil && r.Body != nil {
 		rc := http.NewResponseController(w)
@@ -310,12 +317,15 @@ func (e *Estimate) formBody(w http.ResponseWriter, r *http.Request, prefix []byt
 			defer rc.SetReadDeadline(time.Time{})
 		}
 		var buf [512]byte
-		n, _ := io.ReadFull(r.Body, buf[:])
+		n, err := io.ReadFull(r.Body, buf[:])
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			return false, errBodyTimeout
+		}
 		prefix = bytes.Clone(buf[:n])
 		r.Body = readCloser{io.MultiReader(bytes.NewReader(prefix), r.Body), r.Body}
 	}
 	prefix = bytes.TrimLeft(prefix, " \t\r\n")
-	return len(prefix) > 0 && prefix[0] != '{' && prefix[0] != '['
+	return len(prefix) > 0 && prefix[0] != '{' && prefix[0] != '[', nil
 }
 
 // includesUsage reports whether a request to path is one whose stream

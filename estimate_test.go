@@ -419,7 +419,7 @@ func TestHalfClosedShortBodyIs400(t *testing.T) {
 // TestOversizedFormThatNeverComesTimesOut: a form to an upload path whose
 // Content-Length is over max_body is read for its first 512 bytes (is it
 // a form?) within read_timeout, as any body the estimate reads: a client
-// that sends its headers and then nothing is answered 400 once the
+// that sends its headers and then nothing is answered 408 once the
 // timeout passes, not held until it leaves.
 func TestOversizedFormThatNeverComesTimesOut(t *testing.T) {
 	lg := startLLMGateway(t, llmLimiter("user 10000 1/1h tokens", `cost estimate {
@@ -445,8 +445,8 @@ func TestOversizedFormThatNeverComesTimesOut(t *testing.T) {
 		t.Fatalf("no answer to a form that never comes: %v", err)
 	}
 	b, _ := io.ReadAll(res.Body)
-	if res.StatusCode != http.StatusBadRequest || !strings.Contains(string(b), `"invalid_body"`) {
-		t.Errorf("answer %d %q, want 400 invalid_body", res.StatusCode, b)
+	if res.StatusCode != http.StatusRequestTimeout || !strings.Contains(string(b), `"request_timeout"`) {
+		t.Errorf("answer %d %q, want 408 request_timeout", res.StatusCode, b)
 	}
 	if len(lg.up.requests()) != 0 {
 		t.Errorf("%d upstream requests, want none", len(lg.up.requests()))
