@@ -963,9 +963,12 @@ func TestOpenAIHeaders(t *testing.T) {
 	if err != nil || ms > 30000 || ms < 30000-(t1-t0)/1000 {
 		t.Fatalf("Retry-After-Ms %q, want 30000 less at most the %d ms between the requests", r.header.Get("Retry-After-Ms"), (t1-t0)/1000)
 	}
+	// The tokens left are what refilled meanwhile: the 30000 - ms whole
+	// milliseconds since the charge, a whole token every 60 of them (none
+	// while the requests are less than 60 ms apart).
 	wantHeaders(t, "rate limited", r.header,
 		"x-should-retry", "",
-		"x-ratelimit-remaining-tokens", "0",
+		"x-ratelimit-remaining-tokens", strconv.FormatInt((30000-ms)/60, 10),
 		"x-ratelimit-reset-tokens", (time.Duration(ms) * time.Millisecond).String(),
 		"x-ratelimit-remaining-requests", "9")
 	// Requests headers are absent for a tier without a requests limit.
