@@ -485,28 +485,30 @@ type waitE2EResult struct {
 	err     error
 }
 
-// TestWaitAcrossGatewaysNeverOverAdmits: the bucket of the test above,
-// "user 5 10/s" with on_limit wait 3s, shared by 3 gateway processes on
-// one Redis; 60 requests at once, 20 to each. The upstream sees them in
-// the slots of the one shared bucket, whatever gateway held them: the
-// k-th arrival (k > 5) never precedes t1 + (k-5)·100 ms, where t1 is the
-// first charge (derived exactly from the stored bucket, which was full
-// then and has been charged once per 200 since), so by any time t at most
+// TestWaitAcrossGatewaysNeverOverAdmits: "user 5 2/s" (a token every
+// 500 ms) with on_limit wait 5s, shared by 3 gateway processes on one
+// Redis; 60 requests at once, 20 to each. The upstream sees them in the
+// slots of the one shared bucket, whatever gateway held them: the k-th
+// arrival (k > 5) never precedes t1 + (k-5)·500 ms, where t1 is the first
+// charge (derived exactly from the stored bucket, which was full then and
+// has been charged once per 200 since), so by any time t at most
 // capacity + refill·(t - t1) requests have been admitted; and it arrives
-// within its slot, before the next token is due. Every request that a
-// wait of at most 3 s could serve was served (30 reservations at least,
+// within its slot, before the next token is due. The slots are long
+// enough for the three processes' holds and proxying on a loaded machine
+// (a 100 ms slot was overrun by one arrival there). Every request that a
+// wait of at most 5 s could serve was served (10 reservations at least,
 // and no more than the burst's own spread allows), every other one is 429
-// with a Retry-After-Ms from 1 to the next slot's wait less 3 s, and
+// with a Retry-After-Ms from 1 to the next slot's wait less 5 s, and
 // every request is answered.
 func TestWaitAcrossGatewaysNeverOverAdmits(t *testing.T) {
-	const capacity, gateways, perGateway, maxWaitMS = 5, 3, 20, 3000
-	interval := 100 * time.Millisecond
-	tol := interval // within its own slot
+	const capacity, gateways, perGateway, maxWaitMS = 5, 3, 20, 5000
+	interval := 500 * time.Millisecond // one token at 2/s
+	tol := interval                    // within its own slot
 	bin := gwCaddy(t)
 	srv := redistest.Start(t)
 	up := startWaitE2EUpstream(t)
-	gws := waitE2EStartGateways(t, bin, srv.Addr, up.addr, "user 5 10/s", "on_limit wait 3s", gateways, false)
-	spec := llmSpec(t, capacity, "10/s")
+	gws := waitE2EStartGateways(t, bin, srv.Addr, up.addr, "user 5 2/s", "on_limit wait 5s", gateways, false)
+	spec := llmSpec(t, capacity, "2/s")
 
 	tr := &http.Transport{MaxIdleConnsPerHost: perGateway}
 	defer tr.CloseIdleConnections()
