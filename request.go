@@ -25,7 +25,7 @@ type request struct {
 	limits    []*limit
 	tokensCap int64 // the smallest capacity of its enforced tokens limits (of those in shadow when it has no other); -1: none
 	allCap    int64 // the smallest capacity of all its tokens limits, those in shadow included; -1: none
-	leases    int   // its concurrency limits
+	leases    int32 // its concurrency limits (int32: with the flags below, one word)
 	demoted   bool  // decided on a demotion's penalty tier, or demoted by this denial
 	priced    bool  // its tokens limits are priced: cost is their charge
 	cost      int64 // the charge of its enforced tokens limits ({http.token_bucket.cost})
