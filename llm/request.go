@@ -819,30 +819,7 @@ func (p *parser) results() error {
 		return err
 	}
 	for p.dec.PeekKind() != ']' {
-		if p.dec.PeekKind() != '{' {
-			if err := p.skip(); err != nil {
-				return err
-			}
-			continue
-		}
-		if err := p.begin(); err != nil {
-			return err
-		}
-		for p.dec.PeekKind() != '}' {
-			name, err := p.memberName()
-			if err != nil {
-				return err
-			}
-			if string(name) == "text" {
-				err = p.content()
-			} else {
-				err = p.skip()
-			}
-			if err != nil {
-				return err
-			}
-		}
-		if err := p.end(); err != nil {
+		if err := p.objectMember("text", p.content); err != nil {
 			return err
 		}
 	}
@@ -852,6 +829,13 @@ func (p *parser) results() error {
 // textOptions reads the Responses API "text" object: its "format" counts
 // as JSON text.
 func (p *parser) textOptions() error {
+	return p.objectMember("format", p.jsonText)
+}
+
+// objectMember reads the object the decoder is at, its members named name
+// with read, and skips the others; a value that is not an object is
+// skipped whole.
+func (p *parser) objectMember(name string, read func() error) error {
 	if p.dec.PeekKind() != '{' {
 		return p.skip()
 	}
@@ -859,12 +843,12 @@ func (p *parser) textOptions() error {
 		return err
 	}
 	for p.dec.PeekKind() != '}' {
-		name, err := p.memberName()
+		n, err := p.memberName()
 		if err != nil {
 			return err
 		}
-		if string(name) == "format" {
-			err = p.jsonText()
+		if string(n) == name {
+			err = read()
 		} else {
 			err = p.skip()
 		}
