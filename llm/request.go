@@ -659,16 +659,10 @@ func (p *parser) part(message bool) error {
 		switch string(name) {
 		case "type":
 			typed = true
-			if p.dec.PeekKind() != '"' {
-				media = true
-				err = p.skip()
-				break
+			var t []byte
+			if t, err = p.typeName(); err == nil {
+				media = media || t == nil || !textType(t)
 			}
-			var raw jsontext.Value
-			if raw, err = p.dec.ReadValue(); err != nil {
-				return syntax(err)
-			}
-			media = media || !textType(p.unquote(raw))
 		case "output":
 			known = true
 			if p.dec.PeekKind() == '{' {
@@ -749,16 +743,11 @@ func (p *parser) source() (text, other bool, err error) {
 		switch string(name) {
 		case "type":
 			typed = true
-			if p.dec.PeekKind() != '"' {
-				other = true
-				err = p.skip()
+			var t []byte
+			if t, err = p.typeName(); err != nil {
 				break
 			}
-			var raw jsontext.Value
-			if raw, err = p.dec.ReadValue(); err != nil {
-				return false, false, syntax(err)
-			}
-			switch string(p.unquote(raw)) {
+			switch string(t) {
 			case "text":
 				plain, text = true, true
 			case "content":
@@ -790,6 +779,19 @@ func (p *parser) source() (text, other bool, err error) {
 	}
 	p.pending = p.pending[:mark]
 	return text, other || !typed, p.end()
+}
+
+// typeName reads a "type" member's value: the string, unquoted, or nil
+// for a value that is not a string (skipped).
+func (p *parser) typeName() ([]byte, error) {
+	if p.dec.PeekKind() != '"' {
+		return nil, p.skip()
+	}
+	raw, err := p.dec.ReadValue()
+	if err != nil {
+		return nil, syntax(err)
+	}
+	return p.unquote(raw), nil
 }
 
 // textType reports whether a part of that type carries text (or tool
