@@ -526,6 +526,35 @@ func TestIsIdentity(t *testing.T) {
 	}
 }
 
+// wantReadAs checks what told says of body once a UsageReader has read
+// it, whole and split in two at each of splits, and gzipped.
+func wantReadAs(t *testing.T, name, contentType, body string, splits []int, want bool, told func(*UsageReader) bool) {
+	t.Helper()
+	for _, split := range splits {
+		chunks := []string{body}
+		if split > 0 && split < len(body) {
+			chunks = []string{body[:split], body[split:]}
+		}
+		r := NewUsageReader(contentType, "")
+		for _, c := range chunks {
+			r.Write([]byte(c))
+		}
+		r.Result()
+		if got := told(r); got != want {
+			t.Errorf("%s split at %d: %v, want %v", name, split, got, want)
+		}
+		r.Release()
+	}
+	enc, _ := compress(t, "gzip", false, body)
+	r := NewUsageReader(contentType, "gzip")
+	r.Write(enc)
+	r.Result()
+	if got := told(r); got != want {
+		t.Errorf("%s, gzip: %v, want %v", name, got, want)
+	}
+	r.Release()
+}
+
 // TestOpenedWithError: an event stream whose first event with data is an
 // error object, as Anthropic sends an overload after its 200, opened with
 // an error; one whose error comes after another event, or whose first
@@ -553,29 +582,7 @@ func TestOpenedWithError(t *testing.T) {
 		{"empty", sse, "", false},
 		{"json_body", "application/json", overloaded, false},
 	} {
-		for _, split := range []int{0, 1, 7, 20} {
-			chunks := []string{tc.body}
-			if split > 0 && split < len(tc.body) {
-				chunks = []string{tc.body[:split], tc.body[split:]}
-			}
-			r := NewUsageReader(tc.contentType, "")
-			for _, c := range chunks {
-				r.Write([]byte(c))
-			}
-			r.Result()
-			if got := r.OpenedWithError(); got != tc.want {
-				t.Errorf("%s split at %d: %v, want %v", tc.name, split, got, tc.want)
-			}
-			r.Release()
-		}
-		enc, _ := compress(t, "gzip", false, tc.body)
-		r := NewUsageReader(tc.contentType, "gzip")
-		r.Write(enc)
-		r.Result()
-		if got := r.OpenedWithError(); got != tc.want {
-			t.Errorf("%s, gzip: %v, want %v", tc.name, got, tc.want)
-		}
-		r.Release()
+		wantReadAs(t, tc.name, tc.contentType, tc.body, []int{0, 1, 7, 20}, tc.want, (*UsageReader).OpenedWithError)
 	}
 }
 
@@ -599,28 +606,6 @@ func TestErrorObject(t *testing.T) {
 		{"nginx", "text/html", "<html><head><title>502 Bad Gateway</title></head></html>", false},
 		{"event_stream", sse, "data: {\"error\":{\"message\":\"x\"}}\n\n", false},
 	} {
-		for _, split := range []int{0, 1, 3, 9} {
-			chunks := []string{tc.body}
-			if split > 0 && split < len(tc.body) {
-				chunks = []string{tc.body[:split], tc.body[split:]}
-			}
-			r := NewUsageReader(tc.contentType, "")
-			for _, c := range chunks {
-				r.Write([]byte(c))
-			}
-			r.Result()
-			if got := r.ErrorObject(); got != tc.want {
-				t.Errorf("%s split at %d: %v, want %v", tc.name, split, got, tc.want)
-			}
-			r.Release()
-		}
-		enc, _ := compress(t, "gzip", false, tc.body)
-		r := NewUsageReader(tc.contentType, "gzip")
-		r.Write(enc)
-		r.Result()
-		if got := r.ErrorObject(); got != tc.want {
-			t.Errorf("%s, gzip: %v, want %v", tc.name, got, tc.want)
-		}
-		r.Release()
+		wantReadAs(t, tc.name, tc.contentType, tc.body, []int{0, 1, 3, 9}, tc.want, (*UsageReader).ErrorObject)
 	}
 }
