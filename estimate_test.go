@@ -387,26 +387,11 @@ func TestHalfClosedShortBodyIs400(t *testing.T) {
 	lg := startLLMGateway(t, llmLimiter("user 10000 1/1h tokens", "cost estimate"))
 	invalid := decisions("free", "invalid_body")
 	before := scrape(t)[invalid]
-	conn, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", lg.port))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
 	body := `{"model":"gpt-4o","messages":[{"role":"user","content":"hello"}]}`[:40]
-	if _, err := fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: gateway.test\r\nX-User: halfway\r\n"+
-		"Content-Type: application/json\r\nContent-Length: 260\r\n\r\n%s", body); err != nil {
-		t.Fatal(err)
-	}
-	if err := conn.(*net.TCPConn).CloseWrite(); err != nil {
-		t.Fatal(err)
-	}
-	res, err := http.ReadResponse(bufio.NewReader(conn), nil)
-	if err != nil {
-		t.Fatalf("no answer after the half-close: %v", err)
-	}
-	b, _ := io.ReadAll(res.Body)
-	if res.StatusCode != http.StatusBadRequest || !strings.Contains(string(b), `"invalid_body"`) {
-		t.Errorf("answer %d %q, want 400 invalid_body", res.StatusCode, b)
+	status, b := rawExchange(t, lg.port, "POST /v1/chat/completions HTTP/1.1\r\nHost: gateway.test\r\nX-User: halfway\r\n"+
+		"Content-Type: application/json\r\nContent-Length: 260\r\n\r\n"+body, true)
+	if status != http.StatusBadRequest || !strings.Contains(b, `"invalid_body"`) {
+		t.Errorf("answer %d %q, want 400 invalid_body", status, b)
 	}
 	if got := scrape(t)[invalid] - before; got != 1 {
 		t.Errorf("decisions_total{outcome=\"invalid_body\"} grew by %v, want 1", got)
@@ -426,27 +411,10 @@ func TestOversizedFormThatNeverComesTimesOut(t *testing.T) {
 				max_body 1024
 				read_timeout 1s
 			}`))
-	conn, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", lg.port))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	if _, err := fmt.Fprint(conn, "POST /v1/audio/transcriptions HTTP/1.1\r\nHost: gateway.test\r\nX-User: stalled\r\n"+
-		"Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 4096\r\n\r\n"); err != nil {
-		t.Fatal(err)
-	}
-	// A bound on the wait, not a measure of it: without the deadline the
-	// gateway never answers.
-	if err := conn.SetReadDeadline(time.Now().Add(time.Minute)); err != nil {
-		t.Fatal(err)
-	}
-	res, err := http.ReadResponse(bufio.NewReader(conn), nil)
-	if err != nil {
-		t.Fatalf("no answer to a form that never comes: %v", err)
-	}
-	b, _ := io.ReadAll(res.Body)
-	if res.StatusCode != http.StatusRequestTimeout || !strings.Contains(string(b), `"request_timeout"`) {
-		t.Errorf("answer %d %q, want 408 request_timeout", res.StatusCode, b)
+	status, b := rawExchange(t, lg.port, "POST /v1/audio/transcriptions HTTP/1.1\r\nHost: gateway.test\r\nX-User: stalled\r\n"+
+		"Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 4096\r\n\r\n", false)
+	if status != http.StatusRequestTimeout || !strings.Contains(b, `"request_timeout"`) {
+		t.Errorf("answer %d %q, want 408 request_timeout", status, b)
 	}
 	if len(lg.up.requests()) != 0 {
 		t.Errorf("%d upstream requests, want none", len(lg.up.requests()))
@@ -502,4 +470,35 @@ func TestEstimateStoredObjects(t *testing.T) {
 			}
 		})
 	}
+}
+
+// rawExchange writes request as it is on a new connection to the gateway
+// on port, half-closes the connection after it when halfClose, and
+// returns the answer's status and body. It waits up to a minute for the
+// answer: a bound on the wait, not a measure of it (a gateway that never
+// answers fails the test).
+func rawExchange(t *testing.T, port int, request string, halfClose bool) (int, string) {
+	t.Helper()
+	conn, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := io.WriteString(conn, request); err != nil {
+		t.Fatal(err)
+	}
+	if halfClose {
+		if err := conn.(*net.TCPConn).CloseWrite(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := conn.SetReadDeadline(time.Now().Add(time.Minute)); err != nil {
+		t.Fatal(err)
+	}
+	res, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatalf("no answer: %v", err)
+	}
+	b, _ := io.ReadAll(res.Body)
+	return res.StatusCode, string(b)
 }
