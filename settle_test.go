@@ -516,17 +516,20 @@ func TestStreamWithNullErrorKeepsItsEstimate(t *testing.T) {
 	g := startGateway(t, llmSite(up, llmLimiter("user 100000 1/1h tokens", "cost estimate\n\t\t\tsettle")))
 	notReported := tbMetrics.settleChildren[llm.NotReported.String()]
 	before := testutil.ToFloat64(notReported)
-	// The settlement runs before the handler returns, so before the
-	// chunked answer ends.
 	r := g.send(http.MethodPost, "v1/chat/completions",
 		strings.NewReader(`{"model":"gpt-4o-mini","stream":true,"max_tokens":500,"messages":[{"role":"user","content":"Hi!"}]}`),
 		"X-User", "nullerr", "Content-Type", "application/json")
 	if r.status != http.StatusOK || r.header.Get("X-Estimated-Cost") != "501" {
 		t.Fatalf("status %d, estimated %q: %s", r.status, r.header.Get("X-Estimated-Cost"), r.body)
 	}
-	if n := testutil.ToFloat64(notReported) - before; n != 1 {
-		t.Errorf("settlements_total{outcome=\"not_reported\"} grew by %v, want 1", n)
-	}
+	// The answer has a Content-Length: the client may read it all before
+	// the settlement, which runs as the handler returns, is counted.
+	redistest.WaitFor(t, time.Minute, "the settlement", func() error {
+		if n := testutil.ToFloat64(notReported) - before; n != 1 {
+			return fmt.Errorf("settlements_total{outcome=\"not_reported\"} grew by %v, want 1", n)
+		}
+		return nil
+	})
 	key := bucket.NewKeyer("rl:", "").Key("user", "nullerr", "tokens")
 	if v := g.value(key); v == "" {
 		t.Fatalf("the bucket is full: the estimate was given back")
