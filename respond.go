@@ -31,7 +31,7 @@ import (
 //
 // Shadow limits are left out of every header: the client sees nothing of
 // them. A request on shadow limits alone gets no rate-limit header.
-func (h *Handler) addHeaders(hs *headerSet, b []byte, t *tier, policy, limits []*limit, d *bucket.Decision) []byte {
+func (h *Handler) addHeaders(hs *headerSet, b []byte, in *inputs, t *tier, policy, limits []*limit, d *bucket.Decision) []byte {
 	i := constrained(limits, d)
 	if i < 0 {
 		return b
@@ -39,7 +39,7 @@ func (h *Handler) addHeaders(hs *headerSet, b []byte, t *tier, policy, limits []
 	if t.policy != "" && t.appliesAll(policy) {
 		b = append(b, t.policy...)
 	} else {
-		b = appendPolicy(b, policy, h)
+		b = appendPolicy(b, policy, h, in)
 	}
 	hs.cut(hRateLimitPolicy, b)
 	first := true
@@ -75,10 +75,10 @@ func (h *Handler) addHeaders(hs *headerSet, b []byte, t *tier, policy, limits []
 
 // writeHeaders sets the rate-limit headers of an allowed request, every
 // applied bucket in limits (see addHeaders).
-func (h *Handler) writeHeaders(hdr http.Header, t *tier, limits []*limit, d *bucket.Decision) {
+func (h *Handler) writeHeaders(hdr http.Header, in *inputs, t *tier, limits []*limit, d *bucket.Decision) {
 	var hs headerSet
 	var arr [headerBuf]byte
-	hs.setIn(hdr, h.addHeaders(&hs, arr[:0], t, limits, limits, d))
+	hs.setIn(hdr, h.addHeaders(&hs, arr[:0], in, t, limits, limits, d))
 }
 
 // openAINames are the headers of openai_headers, by unit (requests,
@@ -139,9 +139,12 @@ func mostConstrained(limits []*limit, d *bucket.Decision, tokens bool) int {
 }
 
 // appendPolicy appends RateLimit-Policy: one item per applied bucket that
-// is not in shadow. A quota's w is the length in seconds of its window
-// now, by h's clock (a day of 23 to 25 hours, a month of 28 to 31 days).
-func appendPolicy(b []byte, limits []*limit, h *Handler) []byte {
+// is not in shadow. A quota's w is the length in seconds of the window that
+// holds the request's time (in's clock, read once per request, so that w is
+// the window its charge was made in, also across a window's end): a day of
+// 23 to 25 hours, a month of 28 to 31 days. h and in are used only for a
+// quota.
+func appendPolicy(b []byte, limits []*limit, h *Handler, in *inputs) []byte {
 	first := true
 	for _, l := range limits {
 		if l.shadow {
@@ -153,7 +156,7 @@ func appendPolicy(b []byte, limits []*limit, h *Handler) []byte {
 		first = false
 		b = append(b, l.policy...)
 		if l.period != 0 {
-			w := h.quotaWindows(l.period, h.now())
+			w := h.quotaWindows(l.period, in.clock(h))
 			b = strconv.AppendInt(b, (w[2]-w[1])/1e6, 10)
 		}
 	}
@@ -356,12 +359,12 @@ func shadowDenied(limits []*limit, d *bucket.Decision) string {
 // connection's goroutine starts with, and a deeper request makes the
 // runtime copy the stack to a larger one (again after each GC shrinks it):
 // on a cached 429 the handler's frames are kept within what is left.
-func (h *Handler) denyHeaders(w http.ResponseWriter, v *verdict, body []byte) {
+func (h *Handler) denyHeaders(w http.ResponseWriter, in *inputs, v *verdict, body []byte) {
 	var hs headerSet
 	var arr [headerBuf]byte
 	b := arr[:0]
 	if !v.local {
-		b = h.addHeaders(&hs, b, v.tier, v.policy, v.req.limits, &v.d)
+		b = h.addHeaders(&hs, b, in, v.tier, v.policy, v.req.limits, &v.d)
 	}
 	d := &v.d
 	b = append(b, "no-store"...)
@@ -520,14 +523,14 @@ func (h *Handler) respond(x *exchange, v *verdict, next caddyhttp.Handler) error
 	case v.local && v.d.Allowed:
 		return h.serveNext(x, v, next)
 	case !v.d.Allowed && h.OnDeny == DenyError:
-		h.denyHeaders(w, v, nil)
+		h.denyHeaders(w, &x.inputs, v, nil)
 		return caddyhttp.Error(http.StatusTooManyRequests, errDenied)
 	case !v.d.Allowed:
 		body := h.denialBody(v)
-		h.denyHeaders(w, v, body)
+		h.denyHeaders(w, &x.inputs, v, body)
 		return writeBody(w, http.StatusTooManyRequests, body)
 	}
-	h.writeHeaders(w.Header(), v.tier, v.req.limits, &v.d)
+	h.writeHeaders(w.Header(), &x.inputs, v.tier, v.req.limits, &v.d)
 	if v.d.WaitMS > 0 && !h.await(x, v) {
 		// As reverse_proxy reports a client that closed its request.
 		return caddyhttp.Error(statusClientClosedRequest, context.Cause(x.r.Context()))

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -28,12 +29,12 @@ func TestHeaderValuesOwnedPerResponse(t *testing.T) {
 		w := httptest.NewRecorder()
 		if allowed {
 			d := bucket.Summarize([]bucket.Result{{Remaining: 9, FullMS: 1000}, {Remaining: 99, FullMS: 1000}})
-			h.writeHeaders(w.Header(), tr, limits, &d)
+			h.writeHeaders(w.Header(), &inputs{}, tr, limits, &d)
 			return w.Header()
 		}
 		d := bucket.Summarize([]bucket.Result{{Reason: bucket.RateLimited, RetryAfterMS: 1500}, {Remaining: 50, FullMS: 1000}})
 		v := verdict{tier: tr, req: req, policy: limits, d: d, decided: true}
-		h.denyHeaders(w, &v, h.denialBody(&v))
+		h.denyHeaders(w, &inputs{}, &v, h.denialBody(&v))
 		return w.Header()
 	}
 	for _, allowed := range []bool{true, false} {
@@ -70,6 +71,23 @@ func answerTier(t testing.TB, limits ...Limit) (*tier, []*limit) {
 		ls[i] = &tr.limits[i]
 	}
 	return tr, ls
+}
+
+// TestQuotaPolicyWindowOfTheRequest: a quota's RateLimit-Policy w is the
+// length of the window the request was charged in, by the request's one
+// clock reading, also when the gateway's clock has passed the window's end
+// by the time the headers are written: a request at the last millisecond
+// of January gets w=2678400 (31 days), not February's 2419200.
+func TestQuotaPolicyWindowOfTheRequest(t *testing.T) {
+	tr, limits := answerTier(t, Limit{Dimension: "user", Capacity: 5, Period: "month"})
+	jan := time.Date(2027, time.January, 31, 23, 59, 59, 999e6, time.UTC)
+	h := &Handler{quotaLoc: time.UTC, windows: new([4]atomic.Pointer[bucket.Windows]), now: func() time.Time { return jan.Add(time.Millisecond) }}
+	d := bucket.Summarize([]bucket.Result{{Remaining: 4, FullMS: 1}})
+	w := httptest.NewRecorder()
+	h.writeHeaders(w.Header(), &inputs{now: jan}, tr, limits, &d)
+	if got, want := w.Header().Get("RateLimit-Policy"), `"user-per-month";q=5;w=2678400`; got != want {
+		t.Errorf("RateLimit-Policy %q, want %q", got, want)
+	}
 }
 
 // denyAnswer returns the 429 the handler h writes for d.
@@ -175,7 +193,7 @@ func TestRateLimitHeadersAreStructuredFields(t *testing.T) {
 		Limit{Dimension: "api_key", Capacity: MaxCost, RefillRate: 1e-9, Unit: UnitTokens})
 	allowed := bucket.Summarize([]bucket.Result{{Remaining: 9, FullMS: 1000}, {Remaining: MaxCost - 5, FullMS: 5e18}})
 	w := httptest.NewRecorder()
-	(&Handler{}).writeHeaders(w.Header(), tr, limits, &allowed)
+	(&Handler{}).writeHeaders(w.Header(), &inputs{}, tr, limits, &allowed)
 	for name, want := range map[string]string{
 		"RateLimit-Policy": `"user";q=10;w=10, "api_key-tokens";q=999999999999999;w=999999999999999`,
 		"RateLimit":        `"user";r=9;t=1, "api_key-tokens";r=999999999999999;t=999999999999999`,

@@ -110,7 +110,7 @@ func compileTiers(dims []Dimension, tiers []Tier, defaultTier string, share floa
 			all[i] = &ct.limits[i]
 		}
 		if !slices.ContainsFunc(ct.limits, func(l limit) bool { return l.period != 0 }) {
-			ct.policy = string(appendPolicy(nil, all, nil))
+			ct.policy = string(appendPolicy(nil, all, nil, nil))
 		}
 		byName[t.Name] = ct
 	}
