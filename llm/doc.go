@@ -76,20 +76,29 @@
 //
 //	text, content, output,     a content value, so nested blocks count (an
 //	summary, tool_calls,       OpenAI role "tool" message's content, an
-//	outputs, queries           Anthropic tool_result's content, a Responses
-//	                           function_call_output's output, an assistant
+//	outputs, queries,          Anthropic tool_result's content, a Responses
+//	commands, command          function_call_output's output, an assistant
 //	                           message's tool_calls, reasoning summaries, a
 //	                           code_interpreter_call's outputs, a
-//	                           file_search_call's queries); but an object
-//	                           output is read as a part (a Responses
-//	                           computer_call_output's screenshot, one image
-//	                           part: its data URL is not read)
+//	                           file_search_call's queries, a shell_call's
+//	                           commands and a local_shell_call's command);
+//	                           but an object output is read as a part (a
+//	                           Responses computer_call_output's
+//	                           screenshot, one image part: its data URL is
+//	                           not read)
 //	input                      its raw JSON text (Anthropic tool_use input)
 //	arguments, name,           a string is one text, anything else its raw
 //	refusal, thinking,         JSON text: tool call arguments, the names of
-//	code, logs                 messages, tools and functions called (short:
-//	                           they count as any text, which is never low),
-//	                           a code_interpreter_call's code and its logs
+//	code, logs, stdout,        messages, tools and functions called (short:
+//	stderr, diff               they count as any text, which is never low),
+//	                           a code_interpreter_call's code and its logs,
+//	                           a shell_call_output's stdout and stderr, an
+//	                           apply_patch_call's diff
+//	action, operation          an object read as a message, so that only
+//	                           its text counts (a shell_call's or
+//	                           local_shell_call's action, an
+//	                           apply_patch_call's operation; a
+//	                           computer_call's action counts nothing)
 //	results                    the "text" of each result object, a content
 //	                           value (a file_search_call's results)
 //	function, function_call    an object read as a part (OpenAI tool call
@@ -108,9 +117,12 @@
 // message, reasoning, thinking, function, function_call,
 // function_call_output, custom_tool_call, custom_tool_call_output,
 // tool_use, server_tool_use, tool_result, code_interpreter_call, logs,
-// file_search_call, computer_call_output), or has neither a type nor any
-// of the members above nor a role; but not when it has a "source" and all
-// its sources are plain-text or content sources. So image_url,
+// file_search_call, computer_call_output, shell_call, shell_call_output,
+// local_shell_call, local_shell_call_output, apply_patch_call,
+// apply_patch_call_output, mcp_call, mcp_approval_request), or has
+// neither a type nor any of the members above nor a role; but not when it
+// has a "source" and all its sources are plain-text or content sources.
+// So image_url,
 // input_image, image, input_audio, file, input_file, computer_screenshot,
 // a document of a base64, url or file source (a PDF) and unknown types
 // count 85 each, whatever their size or detail; a document of plain text

@@ -671,13 +671,15 @@ func (p *parser) part(message bool) error {
 			} else {
 				err = p.content()
 			}
-		case "text", "content", "summary", "tool_calls", "outputs", "queries":
+		case "text", "content", "summary", "tool_calls", "outputs", "queries",
+			"commands", "command":
 			known = true
 			err = p.content()
 		case "input":
 			known = true
 			err = p.jsonText()
-		case "arguments", "name", "refusal", "thinking", "code", "logs":
+		case "arguments", "name", "refusal", "thinking", "code", "logs",
+			"stdout", "stderr", "diff":
 			known = true
 			err = p.strOrJSON()
 		case "results":
@@ -698,6 +700,15 @@ func (p *parser) part(message bool) error {
 				err = p.part(true)
 			} else {
 				err = p.jsonText()
+			}
+		case "action", "operation":
+			// A shell or local shell call's commands, an apply_patch
+			// call's diff; a computer or web search call's action has
+			// no text. Read as a message: no media part of its own.
+			if p.dec.PeekKind() == '{' {
+				err = p.part(true)
+			} else {
+				err = p.skip()
 			}
 		case "role":
 			known = true
@@ -804,7 +815,10 @@ func textType(t []byte) bool {
 		"custom_tool_call", "custom_tool_call_output",
 		"tool_use", "server_tool_use", "tool_result",
 		"code_interpreter_call", "logs", "file_search_call",
-		"computer_call_output":
+		"computer_call_output",
+		"shell_call", "shell_call_output", "local_shell_call", "local_shell_call_output",
+		"apply_patch_call", "apply_patch_call_output",
+		"mcp_call", "mcp_approval_request":
 		return true
 	}
 	return false

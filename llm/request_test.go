@@ -166,6 +166,32 @@ func TestParseRequestApprox(t *testing.T) {
 			`"output":{"type":"computer_screenshot","image_url":"data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAA"},` +
 			`"acknowledged_safety_checks":[{"id":"sc_1","code":"malicious_instructions","message":"Check the page."}]},` +
 			`{"type":"computer_call_output","call_id":"call_2","output":{"file_id":"file-1","type":"computer_screenshot"}}]}`, 2 * 85, -1},
+		// The shell tool: a shell_call's commands (6 and 10 bytes: 2 + 3),
+		// its output's stdout and stderr (8, 0, 8 and 12: 2 + 0 + 2 + 3),
+		// not their outcomes; no media part for the items nor the output
+		// chunks.
+		{"responses_shell_call", `{"input":[{"type":"shell_call","call_id":"c1","status":"completed",` +
+			`"action":{"commands":["ls -la","cat go.mod"],"timeout_ms":1000,"max_output_length":null}},` +
+			`{"type":"shell_call_output","call_id":"c1","max_output_length":null,"output":[` +
+			`{"stdout":"total 8\n","stderr":"","outcome":{"type":"exit","exit_code":0}},` +
+			`{"stdout":"module x","stderr":"no such file","outcome":{"type":"timeout"}}]}]}`, 2 + 3 + 2 + 2 + 3, -1},
+		// The local shell tool: its command (4 and 2 bytes: 1 + 1), not its
+		// environment, and its output (3: 1).
+		{"responses_local_shell_call", `{"input":[{"type":"local_shell_call","call_id":"c2","status":"completed",` +
+			`"action":{"type":"exec","command":["echo","hi"],"env":{"A":"not read"}}},` +
+			`{"type":"local_shell_call_output","id":"c2","output":"hi\n"}]}`, 1 + 1 + 1, -1},
+		// apply_patch: the operation's diff (18 bytes: 5), not its path,
+		// and the output (2: 1).
+		{"responses_apply_patch_call", `{"input":[{"type":"apply_patch_call","call_id":"c3","status":"completed",` +
+			`"operation":{"type":"update_file","path":"a.go","diff":"@@ -1 +1 @@\n-a\n+b\n"}},` +
+			`{"type":"apply_patch_call_output","call_id":"c3","status":"completed","output":"ok"}]}`, 5 + 1, -1},
+		// An MCP call is a tool call: its name, arguments and output (6, 2
+		// and 5 bytes: 2 + 1 + 2), no media part. A computer_call's action
+		// has no text: the call stays one part of 85.
+		{"responses_mcp_and_computer_call", `{"input":[{"type":"mcp_call","id":"m1","server_label":"s",` +
+			`"name":"lookup","arguments":"{}","output":"found"},` +
+			`{"type":"computer_call","call_id":"c4","status":"completed","pending_safety_checks":[],` +
+			`"action":{"type":"click","button":"left","x":1,"y":2}}]}`, 2 + 1 + 2 + 85, -1},
 		{"responses_text_format", `{"input":"abcd","text":{"verbosity":"low","format":` + textFormat + `}}`, 1 + ap(textFormat), -1},
 		{"responses_text_not_an_object", `{"input":"abcd","text":"ignored"}`, 1, -1},
 
