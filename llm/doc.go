@@ -90,10 +90,12 @@
 //	arguments, name,           a string is one text, anything else its raw
 //	refusal, thinking,         JSON text: tool call arguments, the names of
 //	code, logs, stdout,        messages, tools and functions called (short:
-//	stderr, diff               they count as any text, which is never low),
-//	                           a code_interpreter_call's code and its logs,
+//	stderr, diff, title,       they count as any text, which is never low),
+//	context                    a code_interpreter_call's code and its logs,
 //	                           a shell_call_output's stdout and stderr, an
-//	                           apply_patch_call's diff
+//	                           apply_patch_call's diff, the title and
+//	                           context of an Anthropic document or search
+//	                           result
 //	action, operation          an object read as a message, so that only
 //	                           its text counts (a shell_call's or
 //	                           local_shell_call's action, an
@@ -119,7 +121,7 @@
 // tool_use, server_tool_use, tool_result, code_interpreter_call, logs,
 // file_search_call, computer_call_output, shell_call, shell_call_output,
 // local_shell_call, local_shell_call_output, apply_patch_call,
-// apply_patch_call_output, mcp_call, mcp_approval_request), or has
+// apply_patch_call_output, mcp_call, mcp_approval_request, search_result), or has
 // neither a type nor any of the members above nor a role; but not when it
 // has a "source" and all its sources are plain-text or content sources.
 // So image_url,

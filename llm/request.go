@@ -679,7 +679,7 @@ func (p *parser) part(message bool) error {
 			known = true
 			err = p.jsonText()
 		case "arguments", "name", "refusal", "thinking", "code", "logs",
-			"stdout", "stderr", "diff":
+			"stdout", "stderr", "diff", "title", "context":
 			known = true
 			err = p.strOrJSON()
 		case "results":
@@ -818,7 +818,7 @@ func textType(t []byte) bool {
 		"computer_call_output",
 		"shell_call", "shell_call_output", "local_shell_call", "local_shell_call_output",
 		"apply_patch_call", "apply_patch_call_output",
-		"mcp_call", "mcp_approval_request":
+		"mcp_call", "mcp_approval_request", "search_result":
 		return true
 	}
 	return false

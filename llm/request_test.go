@@ -121,7 +121,16 @@ func TestParseRequestApprox(t *testing.T) {
 		{"anthropic_document_text_source", `{"messages":[{"role":"user","content":[` +
 			`{"type":"document","source":{"type":"text","media_type":"text/plain","data":"a long text"}}]}]}`, 3, -1},
 		{"anthropic_document_data_before_type", `{"messages":[{"role":"user","content":[` +
-			`{"source":{"data":"h\u00e9llo","media_type":"text/plain","type":"text"},"type":"document","title":"t"}]}]}`, 2, -1},
+			`{"source":{"data":"h\u00e9llo","media_type":"text/plain","type":"text"},"type":"document","title":"t"}]}]}`, 2 + 1, -1},
+		// A document's title and context reach the model (8 and 16 bytes: 2
+		// + 4), beside its PDF's 85; its citations setting counts nothing.
+		{"anthropic_document_title_and_context", `{"messages":[{"role":"user","content":[` +
+			`{"type":"document","title":"Q3 notes","context":"Internal, draft.","citations":{"enabled":true},` +
+			`"source":{"type":"base64","media_type":"application/pdf","data":"JVBERi0xLjQK"}}]}]}`, 2 + 4 + 85, -1},
+		// A search result is text: its title and content blocks (9 and 23
+		// bytes: 3 + 6), not its source URL; no media part.
+		{"anthropic_search_result", `{"messages":[{"role":"user","content":[{"type":"search_result",` +
+			`"source":"https://example.com/a","title":"A buckets","content":[{"type":"text","text":"A token bucket refills."}]}]}]}`, 3 + 6, -1},
 		{"anthropic_document_content_string", `{"messages":[{"role":"user","content":[` +
 			`{"type":"document","source":{"type":"content","content":"abcd"}}]}]}`, 1, -1},
 		{"anthropic_document_content_blocks", `{"messages":[{"role":"user","content":[` +
