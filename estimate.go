@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path"
 	"strconv"
 	"strings"
 	"time"
@@ -170,12 +171,19 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		return tokenEstimate{noInference: true, read: true}, nil
 	}
 	read := err == nil
+	// The path as the upstream may read it: a server or proxy in front
+	// of the model (nginx, Envoy's and Istio's path normalization,
+	// Cloudflare's URL normalization) removes dot segments and merges
+	// slashes, as Caddy's own path matchers do, so
+	// /v1/chat/completions/. and /v1/uploads/../chat/completions are
+	// chat completions, not stored objects.
+	urlPath := cleanPath(r.URL.Path)
 	var req llm.Request
 	if err == nil {
 		req, err = llm.ParseRequest(body, e.tok)
 	}
 	if err != nil {
-		if uploads(r.URL.Path) {
+		if uploads(urlPath) {
 			form, ferr := e.formBody(w, r, body)
 			if ferr != nil {
 				return tokenEstimate{}, ferr
@@ -191,15 +199,15 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		est.read = read // a whole body priced on_invalid is in memory all the same
 		return est, err
 	}
-	if countsTokens(r.URL.Path) || storesObjects(r.URL.Path) {
+	if countsTokens(urlPath) || storesObjects(urlPath) {
 		return tokenEstimate{model: req.Model, noInference: true, read: true}, nil
 	}
 	defaultMax := e.DefaultMaxTokens
-	if !completes(r.URL.Path) {
+	if !completes(urlPath) {
 		defaultMax = 0
 	}
 	est := tokenEstimate{prompt: req.PromptTokens, completion: req.Budget(defaultMax), model: req.Model, read: true}
-	if streamUsage && req.NeedsStreamUsage() && includesUsage(r.URL.Path) {
+	if streamUsage && req.NeedsStreamUsage() && includesUsage(urlPath) {
 		if out, changed, err := llm.WithStreamUsage(body, req); err == nil && changed {
 			setBody(r, out)
 			// The usage chunk is cut out of the stream on its way back,
@@ -210,6 +218,19 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		}
 	}
 	return est, nil
+}
+
+// cleanPath returns p with its dot segments resolved and repeated
+// slashes merged (path.Clean), keeping a trailing slash.
+func cleanPath(p string) string {
+	if p == "" {
+		return p
+	}
+	c := path.Clean(p)
+	if strings.HasSuffix(p, "/") && c != "/" {
+		c += "/"
+	}
+	return c
 }
 
 // noContent reports whether r is a request without a body (Content-Length

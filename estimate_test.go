@@ -451,6 +451,13 @@ func TestEstimateStoredObjects(t *testing.T) {
 		{"run", "/v1/threads/thread_abc/runs", `{"assistant_id":"asst_abc","additional_instructions":` + text + `}`, 1024},
 		{"thread_and_run", "/v1/threads/runs", `{"assistant_id":"asst_abc","thread":{"messages":[{"role":"user","content":` + text + `}]}}`, 1024},
 		{"chat_completion", "/v1/chat/completions", `{"model":"gpt-4o","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		// Dot segments and doubled slashes are read as an upstream that
+		// normalizes the path reads them (nginx, Envoy, Cloudflare), and as
+		// Caddy's path matchers do: a chat completion, not a stored object.
+		{"chat_completion_dot", "/v1/chat/completions/.", `{"model":"gpt-4o","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"chat_completion_via_uploads", "/v1/uploads/../chat/completions", `{"model":"gpt-4o","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"chat_completion_via_threads", "/v1/threads//../chat/completions/", `{"model":"gpt-4o","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"upload_dot", "/v1/uploads/./", `{"purpose":"assistants","filename":"notes.txt","bytes":2048,"mime_type":"text/plain"}`, -1},
 		{"azure_deployment", "/openai/deployments/gpt-4o/chat/completions", `{"messages":[{"role":"user","content":""}]}`, 1024},
 		{"batch", "/v1/batches", `{"input_file_id":"file-abc","endpoint":"/v1/chat/completions","completion_window":"24h"}`, 1024},
 		{"vertex_gemini", "/v1/projects/p/locations/l/publishers/google/models/gemini-2.5-flash:generateContent",
