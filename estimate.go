@@ -221,13 +221,17 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 }
 
 // cleanPath returns p with its dot segments resolved and repeated
-// slashes merged (path.Clean), keeping a trailing slash.
+// slashes merged (path.Clean), keeping a trailing slash. A clean path is
+// returned as it is, without an allocation.
 func cleanPath(p string) string {
 	if p == "" {
 		return p
 	}
 	c := path.Clean(p)
 	if strings.HasSuffix(p, "/") && c != "/" {
+		if len(c) == len(p)-1 && p[:len(c)] == c {
+			return p
+		}
 		c += "/"
 	}
 	return c

@@ -479,6 +479,34 @@ func TestEstimateStoredObjects(t *testing.T) {
 	}
 }
 
+// TestCleanPath: dot segments resolved and slashes merged, a trailing
+// slash kept; a path already clean, with or without its trailing slash,
+// is returned without an allocation (every request's estimate reads it).
+func TestCleanPath(t *testing.T) {
+	for in, want := range map[string]string{
+		"":                                "",
+		"/":                               "/",
+		"/v1/chat/completions":            "/v1/chat/completions",
+		"/v1/chat/completions/":           "/v1/chat/completions/",
+		"/v1/chat/completions/.":          "/v1/chat/completions",
+		"/v1/chat/completions/./":         "/v1/chat/completions/",
+		"/v1/uploads/../chat/completions": "/v1/chat/completions",
+		"//v1//chat/completions//":        "/v1/chat/completions/",
+		"/v1/chat/completions/abc/..":     "/v1/chat/completions",
+		"/../v1/messages":                 "/v1/messages",
+		"*":                               "*",
+	} {
+		if got := cleanPath(in); got != want {
+			t.Errorf("cleanPath(%q) = %q, want %q", in, got, want)
+		}
+	}
+	for _, p := range []string{"/v1/chat/completions", "/v1/chat/completions/"} {
+		if n := testing.AllocsPerRun(100, func() { _ = cleanPath(p) }); n != 0 {
+			t.Errorf("cleanPath(%q): %v allocations, want 0", p, n)
+		}
+	}
+}
+
 // rawExchange writes request as it is on a new connection to the gateway
 // on port, half-closes the connection after it when halfClose, and
 // returns the answer's status and body. It waits up to a minute for the
