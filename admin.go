@@ -26,21 +26,40 @@ func init() {
 	caddy.RegisterModule(AdminAPI{})
 }
 
-// handlers are the provisioned token_bucket handlers, in the order they
-// were provisioned, for the admin API. A handler joins at the end of its
-// Provision and leaves in its Cleanup, so after a config load finishes the
-// list holds the new config's handlers only (during the load, briefly,
-// the old ones too). The list is copied on write, so a reader may keep
-// the slice it read after unlocking.
+// handlers are the provisioned token_bucket handlers for the admin API,
+// ordered by key_prefix and then by the rest of their configuration (see
+// adminOrder), so that a handler's id, its place in the list, is the same
+// after every load of the same configuration: Caddy provisions the servers
+// of a config in no fixed order (a map's), and an id by provisioning order
+// could name another site's handler after a reload. Handlers of the same
+// configuration are interchangeable: they decide the same buckets. A
+// handler joins at the end of its Provision and leaves in its Cleanup, so
+// after a config load finishes the list holds the new config's handlers
+// only (during the load, briefly, the old ones too). The list is copied on
+// write, so a reader may keep the slice it read after unlocking.
 var handlers struct {
 	sync.RWMutex
 	list []*Handler
 }
 
+// adminOrder returns h's place in the order of the handlers' list: its
+// key_prefix, then its configuration as JSON.
+func adminOrder(h *Handler) string {
+	cfg, _ := json.Marshal(h) // the configuration's fields marshal without error
+	return h.KeyPrefix + "\x00" + string(cfg)
+}
+
 func registerHandler(h *Handler) {
+	h.adminOrder = adminOrder(h)
 	handlers.Lock()
 	defer handlers.Unlock()
-	handlers.list = append(slices.Clip(handlers.list), h)
+	i, _ := slices.BinarySearchFunc(handlers.list, h, func(e, h *Handler) int {
+		if e.adminOrder <= h.adminOrder {
+			return -1 // after every handler of the same order: provisioning order among equals
+		}
+		return 1
+	})
+	handlers.list = slices.Insert(slices.Clip(handlers.list), i, h)
 }
 
 func unregisterHandler(h *Handler) {

@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -455,5 +456,46 @@ func TestAdminQuotaAndSlots(t *testing.T) {
 	if status, b := adminDo(t, http.MethodGet, bucketQuery("dimension", "user", "period", "week", "identity", "alice"), ""); status != http.StatusNotFound ||
 		!strings.Contains(b, `tier \"t\" has no requests quota per week on dimension \"user\"`) {
 		t.Errorf("a period with no quota: %d %s, want 404", status, b)
+	}
+}
+
+// TestAdminIDsFollowConfiguration: a handler's id does not depend on the
+// order Caddy provisions the handlers in (its servers' map order): the
+// list is ordered by key_prefix, then by the rest of the configuration,
+// and handlers alike keep their provisioning order among themselves.
+func TestAdminIDsFollowConfiguration(t *testing.T) {
+	mk := func(prefix string, capacity int64) *Handler {
+		return &Handler{KeyPrefix: prefix, Tiers: []Tier{{Name: "t", Limits: []Limit{{Dimension: "user", Capacity: capacity, RefillRate: 1}}}}}
+	}
+	ids := func(hs []*Handler) []int {
+		handlers.RLock()
+		defer handlers.RUnlock()
+		out := make([]int, len(hs))
+		for i, h := range hs {
+			out[i] = slices.Index(handlers.list, h)
+		}
+		return out
+	}
+	before := len(listHandlers())
+	if before != 0 {
+		t.Fatalf("%d handlers listed before the test: a test before it left its Caddy running", before)
+	}
+	for _, order := range [][]int{{0, 1, 2, 3}, {3, 2, 1, 0}, {2, 0, 3, 1}} {
+		hs := []*Handler{mk("a:", 10), mk("b:", 5), mk("b:", 7), mk("c:", 1)}
+		twin := mk("b:", 5) // b:'s configuration again, provisioned after it
+		for _, i := range order {
+			registerHandler(hs[i])
+		}
+		registerHandler(twin)
+		got := ids(append(hs, twin))
+		for _, h := range append(hs, twin) {
+			unregisterHandler(h)
+		}
+		if want := []int{0, 1, 3, 4, 2}; !slices.Equal(got, want) {
+			t.Errorf("provisioned in the order %v: ids %v, want %v", order, got, want)
+		}
+	}
+	if n := len(listHandlers()); n != before {
+		t.Errorf("%d handlers listed after the test, want %d", n, before)
 	}
 }

@@ -242,6 +242,7 @@ type Handler struct {
 	windows    *[4]atomic.Pointer[bucket.Windows] // by bucket.Period: the quota windows around now
 	maxWaitMS  int64                              // on_limit wait: MaxWait in milliseconds; 0: reject
 	waiting    *atomic.Int64                      // requests held by on_limit wait
+	adminOrder string                             // its place in the admin API's list (see handlers)
 }
 
 // store decides a request's buckets; bucket.Redis and bucket.Local are
