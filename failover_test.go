@@ -1036,7 +1036,9 @@ func foReady(t *testing.T, rd *Ready) *Ready {
 
 // TestReadiness probes token_bucket_ready: 200 "ready" while Redis
 // answers, 503 "unavailable" once it is stopped, and 200 "degraded" then
-// with allow_degraded; the breaker state it reports is the handlers'.
+// with allow_degraded; the breaker state it reports is the handlers', and
+// while that breaker is open the probe is 503 (or "degraded") even once
+// Redis answers again, as the handlers still decide without it.
 func TestReadiness(t *testing.T) {
 	srv := redistest.Start(t)
 	rc := func() *RedisConfig {
@@ -1069,13 +1071,22 @@ func TestReadiness(t *testing.T) {
 	}
 	want("down, breaker open", strict, http.StatusServiceUnavailable, `{"status":"unavailable","redis":"down","breaker":"open"}`+"\n")
 
+	want("down, breaker open, allow_degraded", lenient, http.StatusOK, `{"status":"degraded","redis":"down","breaker":"open"}`+"\n")
+
+	// Redis answers again, but the breaker stays open for its cooldown
+	// (an hour here): the handlers decide by on_redis_error until then.
 	srv.Restart(t)
 	redistest.WaitFor(t, 5*time.Second, "the probe to see redis again", func() error {
-		if r := serve(strict); r.status != http.StatusOK {
+		if r := serve(strict); r.body != `{"status":"unavailable","redis":"up","breaker":"open"}`+"\n" {
 			return fmt.Errorf("%d %s", r.status, r.body)
 		}
 		return nil
 	})
+	want("up, breaker open", strict, http.StatusServiceUnavailable, `{"status":"unavailable","redis":"up","breaker":"open"}`+"\n")
+	want("up, breaker open, allow_degraded", lenient, http.StatusOK, `{"status":"degraded","redis":"up","breaker":"open"}`+"\n")
+	if r := serveUser(h, "v"); r.status != http.StatusOK || !r.degraded {
+		t.Errorf("a request while the breaker is open: status %d, degraded %v; want 200 from the local store", r.status, r.degraded)
+	}
 }
 
 // TestTimedOutCallReleasesSlots: a call whose reply comes after the

@@ -3,6 +3,7 @@ package tokenbucket
 import (
 	"net/http"
 
+	"github.com/sony/gobreaker/v2"
 	"go.uber.org/zap"
 
 	"github.com/caddyserver/caddy/v2"
@@ -19,11 +20,16 @@ func init() {
 
 // Ready is a readiness probe for the rate limiter: it answers 200 with a
 // JSON body when Redis answers a PING within the timeout (on a Redis
-// Cluster, every master CLUSTER INFO with cluster_state:ok), and 503 when it
-// does not. With AllowDegraded it stays 200, reporting "degraded", for
+// Cluster, every master CLUSTER INFO with cluster_state:ok) and the shared
+// client's circuit breaker is not open, and 503 when either fails: while
+// the breaker is open the handlers do not call Redis and decide by
+// on_redis_error, though Redis may answer again, until breaker_cooldown
+// has passed. With AllowDegraded it stays 200, reporting "degraded", for
 // gateways whose on_redis_error policy (local or allow) keeps serving
-// without Redis. It uses the same shared client as token_bucket handlers
-// with the same redis configuration.
+// without Redis. The body is {"status":"ready"|"degraded"|"unavailable",
+// "redis":"up"|"down","breaker":"closed"|"open"|"half_open"}. It uses the
+// same shared client as token_bucket handlers with the same redis
+// configuration.
 type Ready struct {
 	// Redis says how to reach Redis, as in token_bucket; give the same
 	// settings to probe the same client.
@@ -75,14 +81,18 @@ func (rd *Ready) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.H
 	if rd.conn.hold() { // a reload must not close the client under the probe
 		defer rd.conn.release()
 	}
-	breaker := `","breaker":"` + breakerState(rd.conn.breaker.State()) + `"}` + "\n"
+	state := rd.conn.breaker.State()
+	breaker := `","breaker":"` + breakerState(state) + `"}` + "\n"
+	redis := `","redis":"up`
 	if err := rd.conn.ping(r.Context()); err != nil {
-		if rd.AllowDegraded {
-			return writeJSON(w, http.StatusOK, []byte(`{"status":"degraded","redis":"down`+breaker))
-		}
-		return writeJSON(w, http.StatusServiceUnavailable, []byte(`{"status":"unavailable","redis":"down`+breaker))
+		redis = `","redis":"down`
+	} else if state != gobreaker.StateOpen {
+		return writeJSON(w, http.StatusOK, []byte(`{"status":"ready`+redis+breaker))
 	}
-	return writeJSON(w, http.StatusOK, []byte(`{"status":"ready","redis":"up`+breaker))
+	if rd.AllowDegraded {
+		return writeJSON(w, http.StatusOK, []byte(`{"status":"degraded`+redis+breaker))
+	}
+	return writeJSON(w, http.StatusServiceUnavailable, []byte(`{"status":"unavailable`+redis+breaker))
 }
 
 func parseReadyCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
