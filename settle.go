@@ -52,8 +52,11 @@ type Settle struct {
 	// IncludeUsage makes OpenAI-style streams report their usage: a request
 	// with "stream": true that does not ask for usage reaches the upstream
 	// with "stream_options":{"include_usage":true} added (every other byte
-	// unchanged) and without Accept-Encoding (so that neither the upstream
-	// nor Caddy's encode compresses the stream), and the client receives
+	// unchanged) and without the client's Accept-Encoding (so that neither
+	// the upstream nor Caddy's encode compresses the stream for the
+	// client; reverse_proxy's transport asks for gzip itself unless its
+	// compression is off, and decodes the answer before this handler sees
+	// it), and the client receives
 	// the stream it asked for: the usage-only final chunk ("choices":[])
 	// and the "usage":null member of the other chunks are taken out.
 	// Without it such a stream reports no usage and settles at the
