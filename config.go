@@ -406,6 +406,9 @@ func (h *Handler) validate() error {
 	if err := positiveRule(int64(h.DenyCache)); h.DenyCache != 0 && h.DenyCache != -1 && err != nil {
 		return fmt.Errorf("deny_cache %d: %v, or -1 for off", h.DenyCache, err)
 	}
+	if h.DenyCache > 0 && h.Demote != nil {
+		return fmt.Errorf("deny_cache %d: there is no deny cache with demote, whose denials must all reach Redis to be counted; leave deny_cache out", h.DenyCache)
+	}
 	if err := positiveRule(int64(h.LocalBuckets)); h.LocalBuckets != 0 && err != nil {
 		return fmt.Errorf("local_buckets %d: %v", h.LocalBuckets, err)
 	}

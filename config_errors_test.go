@@ -114,6 +114,10 @@ var caddyfileErrorCases = []struct {
 	{"local_share too small to read", "local_share 1e-19\n" + limitCase("user 10 concurrent"),
 		`local_share 1e-19: too small to scale the limits by: must be at least 1/9223372036854775807`},
 	{"tier without name", "dimension user {http.auth.user.id}\ntier {\nuser 10 1/s\n}", `tier []: wrong argument count, want one value`},
+	{"deny_cache with demote",
+		"dimension user {http.auth.user.id}\ntier free {\nuser 1 1/h\n}\ntier penalty {\nuser 1 1/d\n}\n" +
+			"deny_cache 100\ndemote after 1 denials within 1m to tier penalty for 1m",
+		`deny_cache 100: there is no deny cache with demote, whose denials must all reach Redis to be counted; leave deny_cache out`},
 	{"demote to a tier that does not limit the dimension",
 		"dimension user {http.auth.user.id}\ndimension key {http.request.header.X-Key}\n" +
 			"tier free {\nuser 1 1/h\n}\ntier penalty {\nkey 1 1/d\n}\ndemote user after 1 denials within 1m to tier penalty for 1m",

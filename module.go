@@ -203,7 +203,8 @@ type Handler struct {
 	// cached denial lapses. A denial holds only under the limit it was made
 	// under, so an identity whose tier changed goes to Redis again (keys do
 	// not name the tier). Off whenever Demote is set, whose denials must
-	// all reach Redis to be counted. See bucket.DenyCache.
+	// all reach Redis to be counted: a size given with Demote is a load
+	// error. See bucket.DenyCache.
 	DenyCache int `json:"deny_cache,omitempty"`
 
 	// OnDeny says how a denial is answered: "respond" (the default) writes
