@@ -1,9 +1,11 @@
 package tokenbucket
 
 import (
+	"errors"
 	"math"
 	"slices"
 	"strconv"
+	"strings"
 
 	"github.com/dustin/go-humanize"
 
@@ -205,7 +207,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "local_share":
 			var v string
 			if v, err = oneArg(d); err == nil {
-				share, perr := strconv.ParseFloat(v, 64)
+				share, perr := parseShare(v)
 				if perr != nil {
 					return d.Errf("invalid local_share %q: %v", v, perr)
 				}
@@ -760,3 +762,21 @@ func (h *Handler) unmarshalAudit(d *caddyfile.Dispenser, name string) error {
 
 // Interface guard
 var _ caddyfile.Unmarshaler = (*Handler)(nil)
+
+// parseShare reads a local_share: a decimal number ("0.25") or a fraction
+// of two ("1/3", as the docs write 1/N for N gateways).
+func parseShare(v string) (float64, error) {
+	num, den, frac := strings.Cut(v, "/")
+	share, err := strconv.ParseFloat(num, 64)
+	if err != nil || !frac {
+		return share, err
+	}
+	d, err := strconv.ParseFloat(den, 64)
+	if err != nil {
+		return 0, err
+	}
+	if d == 0 {
+		return 0, errors.New("division by zero")
+	}
+	return share / d, nil
+}

@@ -104,6 +104,13 @@ func TestConfigAcceptedAlike(t *testing.T) {
 	if _, err := parseBlock(freeTier + "settle header X-Used"); err != nil {
 		t.Errorf("settle header <name>: %v", err)
 	}
+	// local_share as the docs write it for N gateways, 1/N, or a decimal.
+	for v, want := range map[string]float64{"1/3": 1.0 / 3, "2/4": 0.5, "0.25": 0.25, "1": 1} {
+		h, err := parseBlock(freeTier + "local_share " + v)
+		if err != nil || h.LocalShare != want {
+			t.Errorf("local_share %s: %v, %v; want %v", v, h.LocalShare, err, want)
+		}
+	}
 }
 
 // TestJSONConfigMessages: the JSON form's errors state the same ranges.
