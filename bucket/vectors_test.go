@@ -124,13 +124,18 @@ func checkStep(t *testing.T, where string, c vectorCase, step int, d Decision, c
 			if d.RetryAfterMS != 0 {
 				t.Errorf("%s: retry_after_ms = %d, want none", where, d.RetryAfterMS)
 			}
-		} else {
-			if d.RetryAfterMS != *e.RetryAfterMS {
-				t.Errorf("%s: retry_after_ms = %d, want %d", where, d.RetryAfterMS, *e.RetryAfterMS)
-			}
-			if got := d.RetryAfterSeconds(); e.RetryAfterS == nil || got != *e.RetryAfterS {
-				t.Errorf("%s: retry_after_s = %d, want %v", where, got, fmtPtr(e.RetryAfterS))
-			}
+		} else if d.RetryAfterMS != *e.RetryAfterMS {
+			t.Errorf("%s: retry_after_ms = %d, want %d", where, d.RetryAfterMS, *e.RetryAfterMS)
+		}
+		// Retry-After, in whole seconds: only a denial that a wait
+		// serves (rate_limited) has one; cost_exceeds_capacity has none.
+		var gotS *int64
+		if d.Reason == RateLimited {
+			s := d.RetryAfterSeconds()
+			gotS = &s
+		}
+		if (gotS == nil) != (e.RetryAfterS == nil) || gotS != nil && *gotS != *e.RetryAfterS {
+			t.Errorf("%s: retry_after_s = %v, want %v", where, fmtPtr(gotS), fmtPtr(e.RetryAfterS))
 		}
 	}
 	for i, eb := range e.Buckets {
