@@ -836,8 +836,10 @@ func TestLocalStoreMillionIdentities(t *testing.T) {
 	if n != bound {
 		t.Errorf("store holds %d buckets, want its bound %d", n, bound)
 	}
-	if limit := int64(bound) * 400; heap > limit { // 200 MB at the default bound
-		t.Errorf("store heap %d MB, want < %d MB (400 bytes a bucket)", heap>>20, limit>>20)
+	// About 100 MB at the default bound: 183 bytes a bucket measured (196
+	// under the race detector, at its smaller bound), with a 30-byte key.
+	if limit := int64(bound) * 220; heap > limit { // 105 MiB at the default bound
+		t.Errorf("store heap %d MB, want < %d MB (220 bytes a bucket)", heap>>20, limit>>20)
 	}
 	runtime.KeepAlive(l)
 }
