@@ -580,6 +580,28 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 			return d.Errf("unknown redis option %q", opt)
 		}
 	}
+	return h.Redis.checkLiteral(d)
+}
+
+// checkLiteral reports, at its line, what a load would refuse in a redis
+// block written without placeholders in its URL and addresses (those are
+// resolved when the config loads, on the host that runs it): the checks
+// of validate and resolve (a cluster URL with a database, a second
+// address without cluster or sentinel, a sentinel_password without
+// Sentinels). The tls_ca file is read when the config loads.
+func (c *RedisConfig) checkLiteral(d *caddyfile.Dispenser) error {
+	if strings.Contains(c.URL, "{") || slices.ContainsFunc(c.Address, func(a string) bool { return strings.Contains(a, "{") }) {
+		return nil
+	}
+	lit := *c
+	lit.TLSCA = ""
+	err := lit.validate()
+	if err == nil {
+		_, err = lit.resolve()
+	}
+	if err != nil {
+		return d.Errf("%v", err)
+	}
 	return nil
 }
 

@@ -117,6 +117,9 @@ var caddyfileErrorCases = []struct {
 	{"local_share too small to read", "local_share 1e-19\n" + limitCase("user 10 concurrent"),
 		`local_share 1e-19: too small to scale the limits by: must be at least 1/9223372036854775807`},
 	{"tier without name", "dimension user {http.auth.user.id}\ntier {\nuser 10 1/s\n}", `tier []: wrong argument count, want one value`},
+	{"redis cluster url with a database", "redis redis://127.0.0.1:1/2 {\ncluster\n}\n" + limitCase("user 10 1/s"), `redis.url: database "2": Redis Cluster has only db 0, at `},
+	{"redis second address without cluster", "redis redis://127.0.0.1:1?addr=127.0.0.1:2\n" + limitCase("user 10 1/s"), `redis.url: addr names more nodes: set cluster for Cluster seeds, or add master_name for Sentinels, at `},
+	{"redis sentinel_password without sentinels", "redis redis://127.0.0.1:1 {\nsentinel_password x\n}\n" + limitCase("user 10 1/s"), `redis.sentinel_password: only with Sentinels (sentinel, or a url with master_name), at `},
 	{"deny_cache with demote",
 		"dimension user {http.auth.user.id}\ntier free {\nuser 1 1/h\n}\ntier penalty {\nuser 1 1/d\n}\n" +
 			"deny_cache 100\ndemote after 1 denials within 1m to tier penalty for 1m",
