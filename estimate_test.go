@@ -12,6 +12,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strconv"
 	"strings"
 	"syscall"
@@ -263,6 +264,10 @@ var chatBody2K = func() []byte {
 	return []byte(b.String())
 }()
 
+// benchURL is the URL of BenchmarkEstimate's requests: the estimate reads
+// the path (see storesObjects).
+var benchURL = &url.URL{Path: "/v1/chat/completions"}
+
 // BenchmarkEstimate: the estimate of a 2 KB chat body, with the body read
 // from and given back to the request (package llm benchmarks the parse
 // alone, per tokenizer and on adversarial shapes).
@@ -277,7 +282,7 @@ func BenchmarkEstimate(b *testing.B) {
 	b.ReportAllocs()
 	b.SetBytes(int64(len(chatBody2K)))
 	for b.Loop() {
-		req := &http.Request{Body: io.NopCloser(bytes.NewReader(chatBody2K)), ContentLength: int64(len(chatBody2K))}
+		req := &http.Request{URL: benchURL, Body: io.NopCloser(bytes.NewReader(chatBody2K)), ContentLength: int64(len(chatBody2K))}
 		if _, err := e.estimate(httptest.NewRecorder(), req, false); err != nil {
 			b.Fatal(err)
 		}
