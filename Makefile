@@ -2,7 +2,7 @@
 # on a fresh Debian machine with Go (redis-server, nodejs and npm are
 # installed when missing).
 
-.PHONY: run test allocs bench fuzz fuzz-short soak fmt fmt-check vet redis node sdk build check-build clean
+.PHONY: run test allocs bench bench-once fuzz fuzz-short soak fmt fmt-check vet redis node sdk build check-build clean
 
 # Run the demo gateway of Caddyfile.example on 127.0.0.1:8080 with its own Redis.
 run:
@@ -12,8 +12,13 @@ run:
 # path's allocation bounds (read without the race detector, which
 # allocates), then every test. go test -race runs last, so its summary
 # lines end the output.
-test: redis sdk vet fmt-check check-build fuzz-short allocs
+test: redis sdk vet fmt-check check-build fuzz-short allocs bench-once
 	go test -race -count=1 ./...
+
+# Every Go benchmark once, so that none breaks unnoticed between runs of
+# make bench (their figures are make bench's).
+bench-once: redis
+	go test -count=1 -run '^$$' -bench . -benchtime 1x ./...
 
 # The heap allocations of one request through the handler (allocs_test.go).
 allocs: redis
