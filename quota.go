@@ -267,8 +267,12 @@ func (h *Handler) giveBack(x *exchange, req *request, d *bucket.Decision) bool {
 	return true
 }
 
-// unwait gives back a place among the requests held by on_limit wait.
+// unwait gives back a place among the requests held by on_limit wait. The
+// gauge goes down before the place is free, as reserve takes a place
+// before the gauge goes up, so that the gauge never reads more than the
+// places taken (a request taking the freed place could otherwise raise it
+// before this one lowers it: max_waiting + 1 for a moment).
 func (h *Handler) unwait() {
-	h.waiting.Add(-1)
 	tbMetrics.waiting.Dec()
+	h.waiting.Add(-1)
 }
