@@ -177,13 +177,20 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 	// slashes, as Caddy's own path matchers do, so
 	// /v1/chat/completions/. and /v1/uploads/../chat/completions are
 	// chat completions, not stored objects.
+	// But a path is free (a form upload, a token count, a stored object)
+	// only when it reads so both ways: as it came too, for an upstream
+	// that does not resolve dot segments (one that routes by prefix), or
+	// does not take an escaped slash for one (Envoy's and Cloudflare's
+	// normalizations keep %2F, which r.URL.Path has decoded):
+	// /v1/chat/completions%2F..%2F..%2Fmessages%2Fcount_tokens is a chat
+	// completion to them.
 	urlPath := cleanPath(r.URL.Path)
 	var req llm.Request
 	if err == nil {
 		req, err = llm.ParseRequest(body, e.tok)
 	}
 	if err != nil {
-		if uploads(urlPath) {
+		if bothRead(uploads, urlPath, r.URL.Path) {
 			form, ferr := e.formBody(w, r, body)
 			if ferr != nil {
 				return tokenEstimate{}, ferr
@@ -199,7 +206,7 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		est.read = read // a whole body priced on_invalid is in memory all the same
 		return est, err
 	}
-	if countsTokens(urlPath) || storesObjects(urlPath) {
+	if bothRead(countsTokens, urlPath, r.URL.Path) || bothRead(storesObjects, urlPath, r.URL.Path) {
 		return tokenEstimate{model: req.Model, noInference: true, read: true}, nil
 	}
 	defaultMax := e.DefaultMaxTokens
@@ -218,6 +225,11 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		}
 	}
 	return est, nil
+}
+
+// bothRead reports whether rule holds for the path cleaned and as it came.
+func bothRead(rule func(string) bool, clean, raw string) bool {
+	return rule(clean) && (clean == raw || rule(raw))
 }
 
 // cleanPath returns p with its dot segments resolved and repeated

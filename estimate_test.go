@@ -462,6 +462,11 @@ func TestEstimateStoredObjects(t *testing.T) {
 		{"chat_completion_dot", "/v1/chat/completions/.", `{"model":"gpt-4o","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
 		{"chat_completion_via_uploads", "/v1/uploads/../chat/completions", `{"model":"gpt-4o","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
 		{"chat_completion_via_threads", "/v1/threads//../chat/completions/", `{"model":"gpt-4o","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		// But a path is free only when it reads so as it came too: to an
+		// upstream that routes by prefix, or that keeps an escaped slash
+		// (Envoy, Cloudflare), these are chat completions.
+		{"chat_completion_dotted_to_count_tokens", "/v1/chat/completions/../../messages/count_tokens", `{"model":"gpt-4o","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"chat_completion_escaped_to_count_tokens", "/v1/chat/completions%2F..%2F..%2Fmessages%2Fcount_tokens", `{"model":"gpt-4o","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
 		{"upload_dot", "/v1/uploads/./", `{"purpose":"assistants","filename":"notes.txt","bytes":2048,"mime_type":"text/plain"}`, -1},
 		{"azure_deployment", "/openai/deployments/gpt-4o/chat/completions", `{"messages":[{"role":"user","content":""}]}`, 1024},
 		{"batch", "/v1/batches", `{"input_file_id":"file-abc","endpoint":"/v1/chat/completions","completion_window":"24h"}`, 1024},
