@@ -588,13 +588,22 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 // resolved when the config loads, on the host that runs it): the checks
 // of validate and resolve (a cluster URL with a database, a second
 // address without cluster or sentinel, a sentinel_password without
-// Sentinels). The tls_ca file is read when the config loads.
+// Sentinels). The tls_ca file and the credentials' placeholders are read
+// when the config loads.
 func (c *RedisConfig) checkLiteral(d *caddyfile.Dispenser) error {
 	if strings.Contains(c.URL, "{") || slices.ContainsFunc(c.Address, func(a string) bool { return strings.Contains(a, "{") }) {
 		return nil
 	}
 	lit := *c
 	lit.TLSCA = ""
+	// The credentials are not checked but for a sentinel_password's
+	// presence, and their {file.*} placeholders must not be read on the
+	// host that adapts the Caddyfile (a secret there, or an error logged
+	// for its absence).
+	lit.Username, lit.Password = "", ""
+	if lit.SentinelPassword != "" {
+		lit.SentinelPassword = "x"
+	}
 	err := lit.validate()
 	if err == nil {
 		_, err = lit.resolve()

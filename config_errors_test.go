@@ -3,9 +3,13 @@ package tokenbucket
 import (
 	"encoding/json"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -416,5 +420,33 @@ func TestKeySecretUnsetVariable(t *testing.T) {
 	}
 	if want := bucket.NewKeyer("rl:", "s3{cret}").Key("user", "alice", ""); h.keyer.Key("user", "alice", "") != want {
 		t.Errorf("with an escaped literal secret, the key of alice is %q, want %q", h.keyer.Key("user", "alice", ""), want)
+	}
+}
+
+// TestRedisBlockAdaptReadsNoSecret: the redis block's check at adapt time
+// does not read the files its credentials name ({file.*}): a secret of
+// the host that runs the config, not of the one that adapts it. The file
+// here is a FIFO, whose open blocks until a writer comes.
+func TestRedisBlockAdaptReadsNoSecret(t *testing.T) {
+	fifo := filepath.Join(t.TempDir(), "secret")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Skip(err)
+	}
+	for _, opt := range []string{"password", "username", "sentinel_password"} {
+		block := "redis redis://127.0.0.1:1?master_name=m {\n" + opt + " {file." + fifo + "}\n}\n" + limitCase("user 10 1/s")
+		done := make(chan error, 1)
+		go func() { _, err := parseTokenBucket(block); done <- err }()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("%s: %v", opt, err)
+			}
+		case <-time.After(2 * time.Second):
+			t.Errorf("%s {file.*}: the Caddyfile's adaptation opened the file", opt)
+			if w, err := os.OpenFile(fifo, os.O_WRONLY, 0); err == nil {
+				w.Close()
+			}
+			<-done
+		}
 	}
 }
