@@ -86,7 +86,8 @@
 //	                           Responses computer_call_output's
 //	                           screenshot, one image part: its data URL is
 //	                           not read)
-//	input                      its raw JSON text (Anthropic tool_use input)
+//	input, tools               its raw JSON text (Anthropic tool_use input,
+//	                           an mcp_list_tools item's tool definitions)
 //	arguments, name,           a string is one text, anything else its raw
 //	refusal, thinking,         JSON text: tool call arguments, the names of
 //	code, logs, stdout,        messages, tools and functions called (short:
@@ -121,7 +122,8 @@
 // tool_use, server_tool_use, tool_result, code_interpreter_call, logs,
 // file_search_call, computer_call_output, shell_call, shell_call_output,
 // local_shell_call, local_shell_call_output, apply_patch_call,
-// apply_patch_call_output, mcp_call, mcp_approval_request, search_result), or has
+// apply_patch_call_output, mcp_call, mcp_approval_request, mcp_list_tools,
+// search_result), or has
 // neither a type nor any of the members above nor a role; but not when it
 // has a "source" and all its sources are plain-text or content sources.
 // So image_url,

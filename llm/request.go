@@ -675,7 +675,9 @@ func (p *parser) part(message bool) error {
 			"commands", "command":
 			known = true
 			err = p.content()
-		case "input":
+		case "input", "tools":
+			// tools: an mcp_list_tools item's tool definitions, which the
+			// model reads as it reads the request's own tools.
 			known = true
 			err = p.jsonText()
 		case "arguments", "name", "refusal", "thinking", "code", "logs",
@@ -818,7 +820,7 @@ func textType(t []byte) bool {
 		"computer_call_output",
 		"shell_call", "shell_call_output", "local_shell_call", "local_shell_call_output",
 		"apply_patch_call", "apply_patch_call_output",
-		"mcp_call", "mcp_approval_request", "search_result":
+		"mcp_call", "mcp_approval_request", "mcp_list_tools", "search_result":
 		return true
 	}
 	return false

@@ -21,6 +21,7 @@ const (
 		`"properties":{"answer":{"type":"string"}},"required":["answer"]}}}`
 	textFormat = `{"type":"json_schema","name":"answer","schema":{"type":"object","properties":{}}}`
 	toolInput  = `{"city":"Paris"}`
+	mcpTools   = `[{"name":"lookup","description":"Looks a word up in the glossary.","input_schema":{"type":"object"}}]`
 )
 
 // TestParseRequestApprox: exact estimates under Approx, ⌈bytes/4⌉ per
@@ -201,6 +202,9 @@ func TestParseRequestApprox(t *testing.T) {
 			`"name":"lookup","arguments":"{}","output":"found"},` +
 			`{"type":"computer_call","call_id":"c4","status":"completed","pending_safety_checks":[],` +
 			`"action":{"type":"click","button":"left","x":1,"y":2}}]}`, 2 + 1 + 2 + 85, -1},
+		// An mcp_list_tools item's tools are definitions the model reads:
+		// their JSON text, as the request's own tools, not one media part.
+		{"responses_mcp_list_tools", `{"input":[{"type":"mcp_list_tools","id":"l1","server_label":"s","tools":` + mcpTools + `}]}`, ap(mcpTools), -1},
 		{"responses_text_format", `{"input":"abcd","text":{"verbosity":"low","format":` + textFormat + `}}`, 1 + ap(textFormat), -1},
 		{"responses_text_not_an_object", `{"input":"abcd","text":"ignored"}`, 1, -1},
 
