@@ -123,14 +123,13 @@
 // file_search_call, computer_call_output, shell_call, shell_call_output,
 // local_shell_call, local_shell_call_output, apply_patch_call,
 // apply_patch_call_output, mcp_call, mcp_approval_request, mcp_list_tools,
-// search_result), or has
-// neither a type nor any of the members above nor a role; but not when it
-// has a "source" and all its sources are plain-text or content sources.
-// So image_url,
-// input_image, image, input_audio, file, input_file, computer_screenshot,
-// a document of a base64, url or file source (a PDF) and unknown types
-// count 85 each, whatever their size or detail; a document of plain text
-// or of content blocks counts its text (and 85 per image block) instead.
+// search_result), or has neither a type nor any of the members above nor
+// a role; but not when it has a "source" and all its sources are
+// plain-text or content sources. So image_url, input_image, image,
+// input_audio, file, input_file, computer_screenshot, a document of a
+// base64, url or file source (a PDF) and unknown types count 85 each,
+// whatever their size or detail; a document of plain text or of content
+// blocks counts its text (and 85 per image block) instead.
 //
 // Not counted: the roles and per-message framing tokens the provider adds
 // (a few per message), tool_choice, metadata, and the budget itself, which
