@@ -183,7 +183,9 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 	// does not take an escaped slash for one (Envoy's and Cloudflare's
 	// normalizations keep %2F, which r.URL.Path has decoded):
 	// /v1/chat/completions%2F..%2F..%2Fmessages%2Fcount_tokens is a chat
-	// completion to them.
+	// completion to them. A form keeps its reading both ways (a client
+	// that sends one to /v1//files is still served); a token count or a
+	// stored object needs a clean path (below).
 	urlPath := cleanPath(r.URL.Path)
 	var req llm.Request
 	if err == nil {
@@ -206,7 +208,12 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		est.read = read // a whole body priced on_invalid is in memory all the same
 		return est, err
 	}
-	if bothRead(countsTokens, urlPath, r.URL.Path) || bothRead(storesObjects, urlPath, r.URL.Path) {
+	// A token count or a stored object is free only at a clean path: with
+	// dot segments or doubled slashes it may read one way to the rule and
+	// another to the upstream (/v1/chat/completions/../../threads is a
+	// thread once cleaned, a chat completion to a router by prefix), and no
+	// SDK sends them.
+	if urlPath == r.URL.Path && (countsTokens(urlPath) || storesObjects(urlPath)) {
 		return tokenEstimate{model: req.Model, noInference: true, read: true}, nil
 	}
 	defaultMax := e.DefaultMaxTokens

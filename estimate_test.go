@@ -467,7 +467,12 @@ func TestEstimateStoredObjects(t *testing.T) {
 		// (Envoy, Cloudflare), these are chat completions.
 		{"chat_completion_dotted_to_count_tokens", "/v1/chat/completions/../../messages/count_tokens", `{"model":"gpt-4o","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
 		{"chat_completion_escaped_to_count_tokens", "/v1/chat/completions%2F..%2F..%2Fmessages%2Fcount_tokens", `{"model":"gpt-4o","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
-		{"upload_dot", "/v1/uploads/./", `{"purpose":"assistants","filename":"notes.txt","bytes":2048,"mime_type":"text/plain"}`, -1},
+		// A token count or a stored object is free only at a clean path:
+		// the segment rule reads /v1/chat/completions/../../threads as a
+		// thread both ways, a router by prefix as a chat completion.
+		{"chat_completion_dotted_to_threads", "/v1/chat/completions/../../threads", `{"model":"gpt-4o","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"upload_dot", "/v1/uploads/./", `{"purpose":"assistants","filename":"notes.txt","bytes":2048,"mime_type":"text/plain"}`, 1024},
+		{"upload_trailing_slash", "/v1/uploads/", `{"purpose":"assistants","filename":"notes.txt","bytes":2048,"mime_type":"text/plain"}`, -1},
 		{"azure_deployment", "/openai/deployments/gpt-4o/chat/completions", `{"messages":[{"role":"user","content":""}]}`, 1024},
 		{"batch", "/v1/batches", `{"input_file_id":"file-abc","endpoint":"/v1/chat/completions","completion_window":"24h"}`, 1024},
 		{"vertex_gemini", "/v1/projects/p/locations/l/publishers/google/models/gemini-2.5-flash:generateContent",
