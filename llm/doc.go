@@ -92,11 +92,11 @@
 //	refusal, thinking,         JSON text: tool call arguments, the names of
 //	code, logs, stdout,        messages, tools and functions called (short:
 //	stderr, diff, title,       they count as any text, which is never low),
-//	context                    a code_interpreter_call's code and its logs,
+//	context, query             a code_interpreter_call's code and its logs,
 //	                           a shell_call_output's stdout and stderr, an
 //	                           apply_patch_call's diff, the title and
 //	                           context of an Anthropic document or search
-//	                           result
+//	                           result, a web_search_call action's query
 //	action, operation          an object read as a message, so that only
 //	                           its text counts (a shell_call's or
 //	                           local_shell_call's action, an
@@ -122,12 +122,13 @@
 // tool_use, server_tool_use, tool_result, code_interpreter_call, logs,
 // file_search_call, computer_call_output, shell_call, shell_call_output,
 // local_shell_call, local_shell_call_output, apply_patch_call,
-// apply_patch_call_output, mcp_call, mcp_approval_request, mcp_list_tools,
-// search_result), or has neither a type nor any of the members above nor
-// a role; but not when it has a "source" and all its sources are
-// plain-text or content sources. So image_url, input_image, image,
-// input_audio, file, input_file, computer_screenshot, a document of a
-// base64, url or file source (a PDF) and unknown types count 85 each,
+// apply_patch_call_output, mcp_call, mcp_approval_request,
+// mcp_approval_response, mcp_list_tools, search_result), or has neither a
+// type nor any of the members above nor a role; but not when it has a
+// "source" and all its sources are plain-text or content sources. So
+// image_url, input_image, image, input_audio, file, input_file,
+// computer_screenshot, a document of a base64, url or file source (a PDF),
+// a web_search_call and unknown types count 85 each,
 // whatever their size or detail; a document of plain text or of content
 // blocks counts its text (and 85 per image block) instead.
 //

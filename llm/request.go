@@ -681,7 +681,7 @@ func (p *parser) part(message bool) error {
 			known = true
 			err = p.jsonText()
 		case "arguments", "name", "refusal", "thinking", "code", "logs",
-			"stdout", "stderr", "diff", "title", "context":
+			"stdout", "stderr", "diff", "title", "context", "query":
 			known = true
 			err = p.strOrJSON()
 		case "results":
@@ -705,8 +705,9 @@ func (p *parser) part(message bool) error {
 			}
 		case "action", "operation":
 			// A shell or local shell call's commands, an apply_patch
-			// call's diff; a computer or web search call's action has
-			// no text. Read as a message: no media part of its own.
+			// call's diff, a web search call's query; a computer call's
+			// action has no text. Read as a message: no media part of
+			// its own.
 			if p.dec.PeekKind() == '{' {
 				err = p.part(true)
 			} else {
@@ -820,7 +821,7 @@ func textType(t []byte) bool {
 		"computer_call_output",
 		"shell_call", "shell_call_output", "local_shell_call", "local_shell_call_output",
 		"apply_patch_call", "apply_patch_call_output",
-		"mcp_call", "mcp_approval_request", "mcp_list_tools", "search_result":
+		"mcp_call", "mcp_approval_request", "mcp_approval_response", "mcp_list_tools", "search_result":
 		return true
 	}
 	return false

@@ -198,6 +198,11 @@ func TestParseRequestApprox(t *testing.T) {
 		// An MCP call is a tool call: its name, arguments and output (6, 2
 		// and 5 bytes: 2 + 1 + 2), no media part. A computer_call's action
 		// has no text: the call stays one part of 85.
+		// An MCP approval is no media part; a web search call's query (12
+		// bytes: 3) reaches the model; the call itself stays one part of 85
+		// (its results are not in the request).
+		{"responses_mcp_approval_and_web_search", `{"input":[{"type":"mcp_approval_response","approval_request_id":"a1","approve":true},` +
+			`{"type":"web_search_call","id":"ws_1","status":"completed","action":{"type":"search","query":"token bucket"}}]}`, 3 + 85, -1},
 		{"responses_mcp_and_computer_call", `{"input":[{"type":"mcp_call","id":"m1","server_label":"s",` +
 			`"name":"lookup","arguments":"{}","output":"found"},` +
 			`{"type":"computer_call","call_id":"c4","status":"completed","pending_safety_checks":[],` +
