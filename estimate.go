@@ -286,20 +286,23 @@ func completes(path string) bool {
 // charged to them would never be given back. A trailing slash is
 // ignored.
 func storesObjects(path string) bool {
-	threads, runs := false, false
+	stored, threads, runs := false, false, false
 	var last [3]string // the last three segments, the last one last
 	for seg := range strings.SplitSeq(strings.TrimRight(path, "/"), "/") {
 		switch seg {
 		case "uploads", "vector_stores", "fine_tuning", "assistants", "conversations", "evals", "containers":
-			return true
+			stored = true
 		case "threads":
 			threads = true
-		case "runs":
+		case "runs", "run":
+			// A run samples a model: a thread's run, an eval's run
+			// (evals.runs.create), a grader's run
+			// (fineTuning.alpha.graders.run).
 			runs = true
 		}
 		last = [3]string{last[1], last[2], seg}
 	}
-	return threads && !runs || last[0] == "chat" && last[1] == "completions" && last[2] != ""
+	return !runs && (stored || threads || last[0] == "chat" && last[1] == "completions" && last[2] != "")
 }
 
 // endsIn reports whether path, less a trailing slash, ends in one of
