@@ -340,7 +340,18 @@ func countsTokens(path string) bool {
 // request, as Starlette reads a UTF-16 JSON body whatever its label) is an
 // invalid body, not a free one.
 func uploads(path string) bool {
-	return endsIn(path, "/audio/transcriptions", "/audio/translations", "/files", "/images/edits", "/images/variations", "/parts")
+	if endsIn(path, "/audio/transcriptions", "/audio/translations", "/files", "/images/edits", "/images/variations", "/parts",
+		"/audio/voices", "/audio/voice_consents", "/content_provenance_checks", "/skills", "/plugins", "/plugin_marketplaces/validate_archive") {
+		return true
+	}
+	// A skill's or a plugin's new version: .../skills/<id>/versions.
+	p := strings.TrimRight(path, "/")
+	if rest, ok := strings.CutSuffix(p, "/versions"); ok {
+		if i := strings.LastIndexByte(rest, '/'); i > 0 {
+			return endsIn(rest[:i], "/skills", "/plugins")
+		}
+	}
+	return false
 }
 
 // formBody reports whether r's body, of which prefix was read (nil when

@@ -1,6 +1,7 @@
 package tokenbucket
 
 import (
+	"errors"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -43,3 +44,35 @@ func TestEstimateModelRunsUnderStoredObjects(t *testing.T) {
 		})
 	}
 }
+
+// TestEstimateSDKFormUploads: the forms the official SDKs send to upload
+// paths that run no model (skills and their versions, both SDKs; OpenAI's
+// custom voices, voice consents and content provenance checks; Anthropic's
+// organization plugins) are 0 tokens, not 400 invalid_body.
+func TestEstimateSDKFormUploads(t *testing.T) {
+	e := &Estimate{}
+	if err := e.provision(); err != nil {
+		t.Fatal(err)
+	}
+	const body = "--b\r\nContent-Disposition: form-data; name=\"files\"; filename=\"s/SKILL.md\"\r\n\r\n# skill\r\n--b--\r\n"
+	for _, p := range []string{
+		"/v1/skills", "/v1/skills/skill_abc/versions",
+		"/v1/audio/voices", "/v1/audio/voice_consents", "/v1/content_provenance_checks",
+		"/v1/organizations/plugins", "/v1/organizations/plugins/plg_abc/versions",
+		"/v1/organizations/plugin_marketplaces/validate_archive",
+	} {
+		req := httptest.NewRequest(http.MethodPost, p, strings.NewReader(body))
+		req.Header.Set("Content-Type", "multipart/form-data; boundary=b")
+		est, err := e.estimate(httptest.NewRecorder(), req, false)
+		if err != nil || est.prompt+est.completion != 0 {
+			t.Errorf("%s: estimate %d, %v; want 0 tokens", p, est.prompt+est.completion, err)
+		}
+	}
+	// A form to a path that runs a model is still refused.
+	req := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(body))
+	req.Header.Set("Content-Type", "multipart/form-data; boundary=b")
+	if _, err := e.estimate(httptest.NewRecorder(), req, false); !errors.Is(err, errInvalidBody) {
+		t.Errorf("form to chat completions: %v, want errInvalidBody", err)
+	}
+}
+
