@@ -217,7 +217,11 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		return tokenEstimate{model: req.Model, noInference: true, read: true}, nil
 	}
 	defaultMax := e.DefaultMaxTokens
-	if !completes(urlPath) {
+	// No completion budget only at a clean path that names embeddings or
+	// moderations: /v1/chat/completions/../../embeddings is a chat
+	// completion to an upstream that does not resolve dot segments (one
+	// that routes by prefix), as a token count's or a stored object's is.
+	if !completes(urlPath) && urlPath == r.URL.Path {
 		defaultMax = 0
 	}
 	est := tokenEstimate{prompt: req.PromptTokens, completion: req.Budget(defaultMax), model: req.Model, read: true}

@@ -76,3 +76,29 @@ func TestEstimateSDKFormUploads(t *testing.T) {
 	}
 }
 
+// TestEstimateCompletionBudgetBothReadings: a path drops the completion
+// budget only when it names embeddings or moderations both as it came and
+// cleaned: /v1/chat/completions/../../embeddings is a chat completion to an
+// upstream that does not resolve dot segments, as the free rules assume;
+// a path with dot segments keeps its budget.
+func TestEstimateCompletionBudgetBothReadings(t *testing.T) {
+	e := &Estimate{}
+	if err := e.provision(); err != nil {
+		t.Fatal(err)
+	}
+	const body = `{"model":"gpt-4o","messages":[{"role":"user","content":"abcd"}]}`
+	for p, want := range map[string]int64{
+		"/v1/chat/completions/../../embeddings":  1 + 1024,
+		"/v1/chat/completions/../../moderations": 1 + 1024,
+		"/v1/embeddings":                         1,
+		"/v1/embeddings/":                        1,
+		"/v1/x/../embeddings":                    1 + 1024,
+		"/v1/embeddings/../chat/completions":     1 + 1024,
+	} {
+		req := httptest.NewRequest(http.MethodPost, p, strings.NewReader(body))
+		est, err := e.estimate(httptest.NewRecorder(), req, false)
+		if got := est.prompt + est.completion; err != nil || got != want {
+			t.Errorf("%s: estimate %d, %v; want %d", p, got, err, want)
+		}
+	}
+}
