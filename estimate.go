@@ -303,6 +303,18 @@ func storesObjects(path string) bool {
 			// (evals.runs.create), a grader's run
 			// (fineTuning.alpha.graders.run).
 			runs = true
+		default:
+			// A run in another case or with path parameters (ASP.NET
+			// Core and Fiber route case-insensitively, Java servlet
+			// containers drop ";params"); a segment after deployments or
+			// engines names a model (an Azure deployment, LiteLLM's
+			// /engines/<model>, which takes the path's model), whatever
+			// its name: such a path is never free.
+			name, _, _ := strings.Cut(seg, ";")
+			if strings.EqualFold(name, "runs") || strings.EqualFold(name, "run") ||
+				strings.EqualFold(name, "deployments") || strings.EqualFold(name, "engines") {
+				runs = true
+			}
 		}
 		last = [3]string{last[1], last[2], seg}
 	}

@@ -102,3 +102,31 @@ func TestEstimateCompletionBudgetBothReadings(t *testing.T) {
 		}
 	}
 }
+
+// TestEstimateModelNamesAndRunsInAnyCase: a segment that names a model (an
+// Azure deployment, LiteLLM's /engines/<model> and
+// /openai/deployments/<model>, which take the path's model over the body's)
+// is no stored object whatever its name, and a run is a run in any case
+// or with path parameters (ASP.NET Core and Fiber route case-insensitively,
+// Java servlet containers drop ";params").
+func TestEstimateModelNamesAndRunsInAnyCase(t *testing.T) {
+	e := &Estimate{}
+	if err := e.provision(); err != nil {
+		t.Fatal(err)
+	}
+	const chat = `{"messages":[{"role":"user","content":"abcd"}]}`
+	for _, p := range []string{
+		"/openai/deployments/evals/chat/completions?api-version=2024-10-21",
+		"/openai/deployments/assistants/chat/completions",
+		"/engines/threads/chat/completions",
+		"/v1/threads/thread_abc/RUNS",
+		"/v1/threads/Runs",
+		"/v1/threads/thread_abc/runs;v=1",
+	} {
+		req := httptest.NewRequest(http.MethodPost, p, strings.NewReader(chat))
+		est, err := e.estimate(httptest.NewRecorder(), req, false)
+		if got := est.prompt + est.completion; err != nil || got != 1+1024 || est.noInference {
+			t.Errorf("%s: estimate %d, not settled %v, %v; want %d and settled", p, got, est.noInference, err, 1+1024)
+		}
+	}
+}
