@@ -283,21 +283,28 @@ func completes(path string) bool {
 // completion), a vector store (and its files and searches), a fine-tuning
 // job, an assistant, a thread or its messages (but not a run: a path with
 // a "runs" segment), a conversation or its items, an eval, a container,
-// or a stored chat completion's metadata (/chat/completions/<id>): the
-// SDKs' uploads, vectorStores, fineTuning.jobs, beta.assistants,
-// beta.threads, conversations, evals, containers and
-// chat.completions.update. Their answers report no usage, so an estimate
-// charged to them would never be given back. A trailing slash is
-// ignored.
+// a stored chat completion's metadata (/chat/completions/<id>), a skill,
+// a ChatKit session, a Realtime client secret (its session runs
+// elsewhere), or a Realtime call's hangup, refer or reject (but not its
+// accept, which starts the model on the call): the SDKs' uploads,
+// vectorStores, fineTuning.jobs, beta.assistants, beta.threads,
+// conversations, evals, containers, chat.completions.update, skills,
+// beta.chatkit.sessions, realtime.clientSecrets,
+// realtime.translations.clientSecrets and realtime.calls. Their answers
+// report no usage, so an estimate charged to them would never be given
+// back. A trailing slash is ignored.
 func storesObjects(path string) bool {
-	stored, threads, runs := false, false, false
+	stored, threads, runs, realtime := false, false, false, false
 	var last [3]string // the last three segments, the last one last
 	for seg := range strings.SplitSeq(strings.TrimRight(path, "/"), "/") {
 		switch seg {
-		case "uploads", "vector_stores", "fine_tuning", "assistants", "conversations", "evals", "containers":
+		case "uploads", "vector_stores", "fine_tuning", "assistants", "conversations", "evals", "containers",
+			"skills", "chatkit":
 			stored = true
 		case "threads":
 			threads = true
+		case "realtime":
+			realtime = true
 		case "runs", "run":
 			// A run samples a model: a thread's run, an eval's run
 			// (evals.runs.create), a grader's run
@@ -318,7 +325,9 @@ func storesObjects(path string) bool {
 		}
 		last = [3]string{last[1], last[2], seg}
 	}
-	return !runs && (stored || threads || last[0] == "chat" && last[1] == "completions" && last[2] != "")
+	realtime = realtime && (last[2] == "client_secrets" ||
+		last[0] == "calls" && (last[2] == "hangup" || last[2] == "refer" || last[2] == "reject"))
+	return !runs && (stored || threads || realtime || last[0] == "chat" && last[1] == "completions" && last[2] != "")
 }
 
 // endsIn reports whether path, less a trailing slash, ends in one of

@@ -473,6 +473,17 @@ func TestEstimateStoredObjects(t *testing.T) {
 		{"chat_completion_dotted_to_threads", "/v1/chat/completions/../../threads", `{"model":"gpt-4o","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
 		{"upload_dot", "/v1/uploads/./", `{"purpose":"assistants","filename":"notes.txt","bytes":2048,"mime_type":"text/plain"}`, 1024},
 		{"upload_trailing_slash", "/v1/uploads/", `{"purpose":"assistants","filename":"notes.txt","bytes":2048,"mime_type":"text/plain"}`, -1},
+		// A skill's update, a ChatKit session, a Realtime client secret and
+		// a call's hangup, refer or reject run no model here; a call's
+		// accept starts the model on the call and is estimated.
+		{"skill_update", "/v1/skills/skill_abc", `{"default_version":"2"}`, -1},
+		{"chatkit_session", "/v1/chatkit/sessions", `{"user":"u1","workflow":{"id":"wf_abc"}}`, -1},
+		{"realtime_client_secret", "/v1/realtime/client_secrets", `{"session":{"type":"realtime","model":"gpt-realtime","instructions":` + text + `}}`, -1},
+		{"realtime_translation_client_secret", "/v1/realtime/translations/client_secrets", `{"session":{"model":"gpt-realtime"}}`, -1},
+		{"realtime_call_hangup", "/v1/realtime/calls/rtc_abc/hangup", `{}`, -1},
+		{"realtime_call_refer", "/v1/realtime/calls/rtc_abc/refer", `{"target_uri":"tel:+14155550123"}`, -1},
+		{"realtime_call_reject", "/v1/realtime/calls/rtc_abc/reject", `{"status_code":486}`, -1},
+		{"realtime_call_accept", "/v1/realtime/calls/rtc_abc/accept", `{"type":"realtime","model":"gpt-realtime","instructions":` + text + `}`, 11 + 1024},
 		{"azure_deployment", "/openai/deployments/gpt-4o/chat/completions", `{"messages":[{"role":"user","content":""}]}`, 1024},
 		{"batch", "/v1/batches", `{"input_file_id":"file-abc","endpoint":"/v1/chat/completions","completion_window":"24h"}`, 1024},
 		{"vertex_gemini", "/v1/projects/p/locations/l/publishers/google/models/gemini-2.5-flash:generateContent",
