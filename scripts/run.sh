@@ -17,11 +17,16 @@ export GATEWAY_PORT="${GATEWAY_PORT:-8080}"
 export UPSTREAM_PORT="${UPSTREAM_PORT:-8081}"
 
 # free_port prints a TCP port on 127.0.0.1 that nothing listens on right
-# now (bash's /dev/tcp: a refused connection), from the dynamic range.
+# now (bash's /dev/tcp: a refused connection), below the kernel's range of
+# ephemeral ports (net.ipv4.ip_local_port_range, 32768-60999 by default):
+# a port in that range may be the local end of an outgoing connection,
+# which no listener can bind.
 free_port() {
-	local port
+	local port lo=32768 hi=60999 from to
+	read -r lo hi </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || true
+	from=$((lo > 21024 ? lo - 20000 : hi + 1)) to=$((lo > 21024 ? lo - 1 : 65535))
 	for _ in $(seq 100); do
-		port=$((49152 + RANDOM % 16384))
+		port=$((from + RANDOM % (to - from + 1)))
 		if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
 			echo "$port"
 			return 0
@@ -46,15 +51,24 @@ trap 'exit 143' TERM
 
 start_redis() {
 	scripts/install-redis.sh
-	redis_port="$(free_port)"
-	redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no \
-		--dir "$redis_dir" --daemonize no --logfile "$redis_dir/redis.log" &
-	redis_pid=$!
-	for _ in $(seq 50); do
+	# Another process may take the port between the probe and the bind:
+	# a redis-server that exits is started again on another port.
+	for _ in 1 2 3; do
+		redis_port="$(free_port)"
+		redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no \
+			--dir "$redis_dir" --daemonize no --logfile "$redis_dir/redis.log" &
+		redis_pid=$!
+		for _ in $(seq 50); do
+			[ "$(redis-cli -p "$redis_port" ping 2>/dev/null)" = PONG ] && break
+			kill -0 "$redis_pid" 2>/dev/null || break
+			sleep 0.1
+		done
 		[ "$(redis-cli -p "$redis_port" ping 2>/dev/null)" = PONG ] && break
-		sleep 0.1
+		kill "$redis_pid" 2>/dev/null || true
+		wait "$redis_pid" 2>/dev/null || true
+		redis_pid=""
 	done
-	if [ "$(redis-cli -p "$redis_port" ping 2>/dev/null)" != PONG ]; then
+	if [ -z "$redis_pid" ]; then
 		echo "redis-server did not start on 127.0.0.1:$redis_port:" >&2
 		cat "$redis_dir/redis.log" >&2
 		exit 1
