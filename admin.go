@@ -53,12 +53,11 @@ func registerHandler(h *Handler) {
 	h.adminOrder = adminOrder(h)
 	handlers.Lock()
 	defer handlers.Unlock()
-	i, _ := slices.BinarySearchFunc(handlers.list, h, func(e, h *Handler) int {
-		if e.adminOrder <= h.adminOrder {
-			return -1 // after every handler of the same order: provisioning order among equals
-		}
-		return 1
-	})
+	// After every handler of the same order: provisioning order among equals.
+	i := slices.IndexFunc(handlers.list, func(e *Handler) bool { return e.adminOrder > h.adminOrder })
+	if i < 0 {
+		i = len(handlers.list)
+	}
 	handlers.list = slices.Insert(slices.Clip(handlers.list), i, h)
 }
 

@@ -184,15 +184,20 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 	// normalizations keep %2F, which r.URL.Path has decoded):
 	// /v1/chat/completions%2F..%2F..%2Fmessages%2Fcount_tokens is a chat
 	// completion to them. A form keeps its reading both ways (a client
-	// that sends one to /v1//files is still served); a token count or a
-	// stored object needs a clean path (below).
+	// that sends one to /v1//files is still served); a token count, a
+	// stored object or a call without a completion needs a clean path:
+	// with dot segments or doubled slashes it may read one way to the
+	// rule and another to the upstream (/v1/chat/completions/../../threads
+	// is a thread once cleaned, a chat completion to a router by prefix),
+	// and no SDK sends them.
 	urlPath := cleanPath(r.URL.Path)
+	clean := urlPath == r.URL.Path
 	var req llm.Request
 	if err == nil {
 		req, err = llm.ParseRequest(body, e.tok)
 	}
 	if err != nil {
-		if bothRead(uploads, urlPath, r.URL.Path) {
+		if uploads(urlPath) && (clean || uploads(r.URL.Path)) {
 			form, ferr := e.formBody(w, r, body)
 			if ferr != nil {
 				return tokenEstimate{}, ferr
@@ -208,20 +213,11 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		est.read = read // a whole body priced on_invalid is in memory all the same
 		return est, err
 	}
-	// A token count or a stored object is free only at a clean path: with
-	// dot segments or doubled slashes it may read one way to the rule and
-	// another to the upstream (/v1/chat/completions/../../threads is a
-	// thread once cleaned, a chat completion to a router by prefix), and no
-	// SDK sends them.
-	if urlPath == r.URL.Path && (countsTokens(urlPath) || storesObjects(urlPath)) {
+	if clean && (countsTokens(urlPath) || storesObjects(urlPath)) {
 		return tokenEstimate{model: req.Model, noInference: true, read: true}, nil
 	}
 	defaultMax := e.DefaultMaxTokens
-	// No completion budget only at a clean path that names embeddings or
-	// moderations: /v1/chat/completions/../../embeddings is a chat
-	// completion to an upstream that does not resolve dot segments (one
-	// that routes by prefix), as a token count's or a stored object's is.
-	if !completes(urlPath) && urlPath == r.URL.Path {
+	if clean && !completes(urlPath) { // /v1/chat/completions/../../embeddings keeps its budget
 		defaultMax = 0
 	}
 	est := tokenEstimate{prompt: req.PromptTokens, completion: req.Budget(defaultMax), model: req.Model, read: true}
@@ -236,11 +232,6 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		}
 	}
 	return est, nil
-}
-
-// bothRead reports whether rule holds for the path cleaned and as it came.
-func bothRead(rule func(string) bool, clean, raw string) bool {
-	return rule(clean) && (clean == raw || rule(raw))
 }
 
 // cleanPath returns p with its dot segments resolved and repeated
@@ -305,18 +296,16 @@ func storesObjects(path string) bool {
 			threads = true
 		case "realtime":
 			realtime = true
-		case "runs", "run":
+		default:
 			// A run samples a model: a thread's run, an eval's run
 			// (evals.runs.create), a grader's run
-			// (fineTuning.alpha.graders.run).
-			runs = true
-		default:
-			// A run in another case or with path parameters (ASP.NET
-			// Core and Fiber route case-insensitively, Java servlet
-			// containers drop ";params"); a segment after deployments or
-			// engines names a model (an Azure deployment, LiteLLM's
-			// /engines/<model>, which takes the path's model), whatever
-			// its name: such a path is never free.
+			// (fineTuning.alpha.graders.run), also in another case or
+			// with path parameters (ASP.NET Core and Fiber route
+			// case-insensitively, Java servlet containers drop
+			// ";params"); a segment after deployments or engines names a
+			// model (an Azure deployment, LiteLLM's /engines/<model>,
+			// which takes the path's model), whatever its name: such a
+			// path is never free.
 			name, _, _ := strings.Cut(seg, ";")
 			if strings.EqualFold(name, "runs") || strings.EqualFold(name, "run") ||
 				strings.EqualFold(name, "deployments") || strings.EqualFold(name, "engines") {
@@ -325,9 +314,9 @@ func storesObjects(path string) bool {
 		}
 		last = [3]string{last[1], last[2], seg}
 	}
-	realtime = realtime && (last[2] == "client_secrets" ||
+	secretOrCall := realtime && (last[2] == "client_secrets" ||
 		last[0] == "calls" && (last[2] == "hangup" || last[2] == "refer" || last[2] == "reject"))
-	return !runs && (stored || threads || realtime || last[0] == "chat" && last[1] == "completions" && last[2] != "")
+	return !runs && (stored || threads || secretOrCall || last[0] == "chat" && last[1] == "completions" && last[2] != "")
 }
 
 // endsIn reports whether path, less a trailing slash, ends in one of
