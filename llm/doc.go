@@ -161,8 +161,11 @@
 // max_completion_tokens (OpenAI chat), max_tokens (OpenAI legacy and
 // Anthropic) and max_output_tokens (Responses API) are one budget:
 // Request.MaxTokens is the largest of them. Each must be null (absent)
-// or an integer from 0 to MaxCost written without fraction or exponent;
-// anything else makes the body invalid. Request.Budget multiplies it by
+// or an integer from 0 to MaxCost written without fraction or exponent,
+// and max_output_tokens may also be the string "inf" (the Realtime API's
+// unlimited budget: a session's, or a call's that realtime.calls.accept
+// sends), which sets no budget, as null does; anything else makes the
+// body invalid. Request.Budget multiplies it by
 // the completions asked for each prompt (n, best_of) and by the number of
 // prompts (a legacy completions prompt may be an array of prompts), at
 // most MaxCost.

@@ -411,9 +411,21 @@ func validUTF8(b []byte) string {
 func (p *parser) add(n int64) { p.prompt += n }
 
 // budget reads the value of a budget member: null, or an integer from 0
-// to MaxCost.
+// to MaxCost; max_output_tokens may also be "inf" (the Realtime API's
+// unlimited budget, as in realtime.calls.accept), which reads as null:
+// the body sets no budget.
 func (p *parser) budget(name []byte) (n int64, isNull bool, err error) {
 	k := p.dec.PeekKind()
+	if k == '"' && string(name) == "max_output_tokens" {
+		raw, err := p.dec.ReadValue()
+		if err != nil {
+			return 0, false, syntax(err)
+		}
+		if string(raw) != `"inf"` {
+			return 0, false, invalid("%s %.20s is not a number or \"inf\"", name, raw)
+		}
+		return 0, true, nil
+	}
 	if k != 'n' && k != '0' {
 		if err := p.skip(); err != nil {
 			return 0, false, err

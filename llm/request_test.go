@@ -62,6 +62,8 @@ func TestParseRequestApprox(t *testing.T) {
 			`"max_tokens":999,"max_output_tokens":7,"max_completion_tokens":300}`, 1, 999},
 		{"max_tokens_over_max_output_tokens", `{"input":"Hi!","max_output_tokens":7,"max_tokens":20}`, 1, 20},
 		{"budget_zero", `{"prompt":"abcd","max_tokens":0}`, 1, 0},
+		// The Realtime API's unlimited budget sets none.
+		{"inf_max_output_tokens", `{"type":"realtime","instructions":"abcd","max_output_tokens":"inf"}`, 1, -1},
 		{"budget_at_max_cost", `{"max_tokens":9007199254740991}`, 0, MaxCost},
 
 		// OpenAI tools, structured output, tool calls and tool results:
@@ -284,6 +286,9 @@ func TestParseRequestApprox(t *testing.T) {
 		{"string_budget", `{"max_tokens":"5"}`, -1, 0},
 		{"bool_budget", `{"max_completion_tokens":true}`, -1, 0},
 		{"object_budget", `{"max_output_tokens":{}}`, -1, 0},
+		{"inf_max_tokens", `{"max_tokens":"inf"}`, -1, 0},
+		{"other_string_max_output_tokens", `{"max_output_tokens":"Inf"}`, -1, 0},
+		{"escaped_inf_max_output_tokens", `{"max_output_tokens":"\u0069nf"}`, -1, 0},
 		{"budget_above_max_cost", `{"max_tokens":9007199254740992}`, -1, 0},
 		{"budget_far_above_max_cost", `{"max_tokens":100000000000000000000000}`, -1, 0},
 		{"invalid_duplicate_budget", `{"max_tokens":5,"max_tokens":-5}`, -1, 0},
@@ -436,6 +441,9 @@ func TestBudget(t *testing.T) {
 		{`{"prompt":"abcd","max_tokens":5,"max_completion_tokens":null}`, 5, 6, 5, 1024},
 		{`{"prompt":"abcd","max_tokens":5,"max_tokens":null,"max_output_tokens":3}`, 5, 6, 5, 1024},
 		{`{"prompt":"abcd","max_tokens":9007199254740991}`, MaxCost, MaxCost, MaxCost, 1024},
+		// "inf" is null: the default, or the larger of it and a number.
+		{`{"prompt":"abcd","max_output_tokens":"inf"}`, 1024, 1025, -1, 1024},
+		{`{"prompt":"abcd","max_output_tokens":5,"max_output_tokens":"inf"}`, 1024, 1025, 5, 1024},
 	} {
 		req, err := ParseRequest([]byte(tc.body), nil)
 		if err != nil {
