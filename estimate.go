@@ -6,8 +6,10 @@ import (
 	"fmt"
 	"io"
 	"mime"
+	"mime/multipart"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"path"
 	"strconv"
@@ -152,7 +154,9 @@ func (e tokenEstimate) cost(capacity int64) int64 {
 // stream (see includesUsage) that does not ask for its usage is sent on
 // with stream_options.include_usage added. A request without a body (see
 // noContent), a token count (see countsTokens), a stored object (see
-// storesObjects) and a form (see formBody) are 0 tokens. A body
+// storesObjects) and an upload's form (see uploads, formBody) are 0
+// tokens; a model call sent as a form is estimated from it (see formCall,
+// formCallEstimate). A body
 // that cannot be read is errInvalidBody, or, with on_invalid <cost>, an
 // estimate of that cost with no completion budget; a body that does not
 // arrive in time is errBodyTimeout, one over request_body's max_size
@@ -197,6 +201,11 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		req, err = llm.ParseRequest(body, e.tok)
 	}
 	if err != nil {
+		if read && formCall(urlPath) && (clean || formCall(r.URL.Path)) {
+			if est, ok, ferr := e.formCallEstimate(r, urlPath, body); ok || ferr != nil {
+				return est, ferr
+			}
+		}
 		if uploads(urlPath) && (clean || uploads(r.URL.Path)) {
 			form, ferr := e.formBody(w, r, body)
 			if ferr != nil {
@@ -398,6 +407,122 @@ func (e *Estimate) formBody(w http.ResponseWriter, r *http.Request, prefix []byt
 	}
 	prefix = bytes.TrimLeft(prefix, " \t\r\n")
 	return len(prefix) > 0 && prefix[0] != '{' && prefix[0] != '[', nil
+}
+
+// formCall reports whether a request to path is a model call that the
+// OpenAI SDK sends as a form: a video's generation, edit, extension,
+// remix or character (videos.create, edit, extend, remix and
+// createCharacter: /videos, /videos/edits, /videos/extensions,
+// /videos/<id>/remix, /videos/characters) and a Realtime call's SDP offer
+// (realtime.calls.create: /realtime/calls). A trailing slash is ignored.
+func formCall(path string) bool {
+	if endsIn(path, "/videos", "/videos/edits", "/videos/extensions", "/videos/characters", "/realtime/calls") {
+		return true
+	}
+	rest, ok := strings.CutSuffix(strings.TrimRight(path, "/"), "/remix")
+	i := strings.LastIndexByte(rest, '/')
+	return ok && i > 0 && strings.HasSuffix(rest[:i], "/videos")
+}
+
+// maxFormParts is the most parts a form model call's body may have; the
+// SDK sends at most six. A body of more is invalid: each part costs an
+// allocation to read.
+const maxFormParts = 64
+
+// formCallEstimate estimates a form model call (see formCall) whose whole
+// body is in memory: the tokens of its prompt fields, MediaPartTokens for
+// each file part (a video's input_reference, the video to edit or
+// extend), and for a Realtime call the instructions and tools of its
+// session field (JSON, read by llm.ParseRequest); its completion budget is
+// the session's max_output_tokens, else default_max_tokens. Its model is
+// the model field's, else the session's. A Realtime call's bare SDP
+// offer (application/sdp: the SDK sends no form when it has no session)
+// is the budget alone. Their answers report no usage, so the estimate is
+// what the call is charged. ok is false when the body is no form (nor an
+// SDP offer); a form that cannot be read, has more than maxFormParts
+// parts, or two model or session fields (which the upstream's form
+// parser would read one way and the estimate another) is invalid.
+func (e *Estimate) formCallEstimate(r *http.Request, urlPath string, body []byte) (est tokenEstimate, ok bool, err error) {
+	est = tokenEstimate{completion: e.DefaultMaxTokens, read: true}
+	mt, params, perr := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	if perr != nil {
+		return est, false, nil
+	}
+	var model, session []byte
+	seen := map[string]int{}
+	field := func(name string, value []byte, file bool) {
+		seen[name]++
+		switch {
+		case name == "prompt": // its text, even sent as a file
+			est.prompt += e.tok.Count(value)
+		case file:
+			est.prompt += llm.MediaPartTokens
+		case name == "model":
+			model = value
+		case name == "session":
+			session = value
+		}
+	}
+	switch mt {
+	case "application/sdp":
+		if !endsIn(urlPath, "/realtime/calls") {
+			return est, false, nil
+		}
+		return est, true, nil
+	case "multipart/form-data":
+		mr := multipart.NewReader(bytes.NewReader(body), params["boundary"])
+		for n := 0; ; n++ {
+			p, perr := mr.NextRawPart()
+			if perr == io.EOF {
+				break
+			}
+			if perr != nil || n == maxFormParts {
+				est, err = e.invalid()
+				return est, true, err
+			}
+			name, file := p.FormName(), p.FileName() != ""
+			var value []byte
+			if name == "prompt" || !file && (name == "model" || name == "session") {
+				value, _ = io.ReadAll(p) // from memory; a file's bytes are not copied
+			}
+			field(name, value, file)
+		}
+	case "application/x-www-form-urlencoded":
+		if bytes.Count(body, []byte("&")) >= maxFormParts {
+			est, err = e.invalid()
+			return est, true, err
+		}
+		values, perr := url.ParseQuery(string(body))
+		if perr != nil {
+			est, err = e.invalid()
+			return est, true, err
+		}
+		for name, vs := range values {
+			for _, v := range vs {
+				field(name, []byte(v), false)
+			}
+		}
+	default:
+		return est, false, nil
+	}
+	if seen["model"] > 1 || seen["session"] > 1 {
+		est, err = e.invalid()
+		return est, true, err
+	}
+	if session != nil {
+		req, perr := llm.ParseRequest(session, e.tok)
+		if perr != nil {
+			est, err = e.invalid()
+			return est, true, err
+		}
+		est.prompt = min(est.prompt+req.PromptTokens, llm.MaxCost)
+		est.completion = req.Budget(e.DefaultMaxTokens)
+		est.model = req.Model
+	}
+	if model != nil {
+		est.model = strings.ToValidUTF8(string(model), "\uFFFD") // as llm.Request.Model
+	}
+	return est, true, nil
 }
 
 // includesUsage reports whether a request to path is one whose stream

@@ -2,6 +2,7 @@ package tokenbucket
 
 import (
 	"errors"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -128,5 +129,79 @@ func TestEstimateModelNamesAndRunsInAnyCase(t *testing.T) {
 		if got := est.prompt + est.completion; err != nil || got != 1+1024 || est.noInference {
 			t.Errorf("%s: estimate %d, not settled %v, %v; want %d and settled", p, got, est.noInference, err, 1+1024)
 		}
+	}
+}
+
+// TestEstimateFormModelCalls: the SDK's form model calls (a video's
+// generation, edit, extension, remix or character; a Realtime call's SDP
+// offer) are estimated from their forms: the prompt fields' tokens, 85 per
+// file part, a Realtime session's instructions and tools, and the
+// session's budget or default_max_tokens. A bare SDP offer is the budget
+// alone. A form that cannot be read, or names its model or session twice,
+// is invalid, and so is a form to another path.
+func TestEstimateFormModelCalls(t *testing.T) {
+	e := &Estimate{}
+	if err := e.provision(); err != nil {
+		t.Fatal(err)
+	}
+	part := func(name, filename, value string) string {
+		if filename != "" {
+			return "--b\r\nContent-Disposition: form-data; name=\"" + name + "\"; filename=\"" + filename + "\"\r\nContent-Type: image/png\r\n\r\n" + value + "\r\n"
+		}
+		return "--b\r\nContent-Disposition: form-data; name=\"" + name + "\"\r\n\r\n" + value + "\r\n"
+	}
+	const multipartType = "multipart/form-data; boundary=b"
+	// 36 bytes: 9 tokens under approx.
+	const prompt = "A calico cat playing a piano onstage"
+	video := part("model", "", "sora-2") + part("prompt", "", prompt) + part("seconds", "", "8") + part("size", "", "1280x720")
+	session := `{"type":"realtime","model":"gpt-realtime","instructions":"Be brief and kind.","max_output_tokens":300}` // 18 bytes of instructions: 5
+	for _, tc := range []struct {
+		name, path, contentType, body string
+		prompt, completion            int64
+		model                         string
+		invalid                       bool
+	}{
+		{"video", "/v1/videos", multipartType, video + "--b--\r\n", 9, 1024, "sora-2", false},
+		{"video_trailing_slash", "/v1/videos/", multipartType, video + "--b--\r\n", 9, 1024, "sora-2", false},
+		{"video_with_reference", "/v1/videos", multipartType, video + part("input_reference", "cat.png", "\x89PNG") + "--b--\r\n", 9 + 85, 1024, "sora-2", false},
+		{"video_edit", "/v1/videos/edits", multipartType, part("prompt", "", prompt) + part("video", "v.mp4", "....") + "--b--\r\n", 9 + 85, 1024, "", false},
+		{"video_extension", "/v1/videos/extensions", multipartType, part("prompt", "", prompt) + "--b--\r\n", 9, 1024, "", false},
+		{"video_remix", "/v1/videos/video_123/remix", multipartType, part("prompt", "", prompt) + "--b--\r\n", 9, 1024, "", false},
+		{"video_character", "/v1/videos/characters", multipartType, part("name", "", "Mo") + part("video", "v.mp4", "....") + "--b--\r\n", 85, 1024, "", false},
+		{"prompt_twice", "/v1/videos", multipartType, part("prompt", "", prompt) + part("prompt", "", prompt) + "--b--\r\n", 18, 1024, "", false},
+		{"prompt_as_a_file", "/v1/videos", multipartType, part("prompt", "p.txt", prompt) + "--b--\r\n", 9, 1024, "", false},
+		{"urlencoded_video", "/v1/videos", "application/x-www-form-urlencoded",
+			"model=sora-2&prompt=" + strings.ReplaceAll(prompt, " ", "+") + "&seconds=4", 9, 1024, "sora-2", false},
+		{"realtime_call_sdp", "/v1/realtime/calls", "application/sdp", "v=0\r\no=- 1 2 IN IP4 127.0.0.1\r\ns=-\r\n", 0, 1024, "", false},
+		{"realtime_call_form", "/v1/realtime/calls", multipartType,
+			part("sdp", "", "v=0\r\ns=-") + part("session", "", session) + "--b--\r\n", 5, 300, "gpt-realtime", false},
+		{"realtime_call_unlimited", "/v1/realtime/calls", multipartType,
+			part("sdp", "", "v=0\r\ns=-") + part("session", "", `{"type":"realtime","max_output_tokens":"inf"}`) + "--b--\r\n", 0, 1024, "", false},
+		{"model_twice", "/v1/videos", multipartType, part("model", "", "a") + part("model", "", "b") + "--b--\r\n", 0, 0, "", true},
+		{"session_twice", "/v1/realtime/calls", multipartType, part("session", "", "{}") + part("session", "", "{}") + "--b--\r\n", 0, 0, "", true},
+		{"session_not_json", "/v1/realtime/calls", multipartType, part("session", "", "{") + "--b--\r\n", 0, 0, "", true},
+		{"unterminated_form", "/v1/videos", multipartType, part("prompt", "", prompt), 0, 0, "", true},
+		{"too_many_parts", "/v1/videos", multipartType, strings.Repeat(part("seconds", "", "4"), maxFormParts+1) + "--b--\r\n", 0, 0, "", true},
+		{"too_many_fields", "/v1/videos", "application/x-www-form-urlencoded", strings.Repeat("a=1&", maxFormParts) + "prompt=x", 0, 0, "", true},
+		{"sdp_elsewhere", "/v1/videos", "application/sdp", "v=0\r\n", 0, 0, "", true},
+		{"form_to_chat", "/v1/chat/completions", multipartType, video + "--b--\r\n", 0, 0, "", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			req := httptest.NewRequest(http.MethodPost, tc.path, strings.NewReader(tc.body))
+			req.Header.Set("Content-Type", tc.contentType)
+			est, err := e.estimate(httptest.NewRecorder(), req, false)
+			if tc.invalid {
+				if !errors.Is(err, errInvalidBody) {
+					t.Fatalf("estimate %+v, %v; want errInvalidBody", est, err)
+				}
+				return
+			}
+			if err != nil || est.prompt != tc.prompt || est.completion != tc.completion || est.model != tc.model || est.noInference || !est.read {
+				t.Fatalf("estimate %+v, %v; want prompt %d, completion %d, model %q, read", est, err, tc.prompt, tc.completion, tc.model)
+			}
+			if b, _ := io.ReadAll(req.Body); string(b) != tc.body {
+				t.Errorf("the next handler reads %q, want the body as it came", b)
+			}
+		})
 	}
 }

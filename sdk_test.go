@@ -1104,3 +1104,57 @@ func TestExampleDemoStreamsForTheSDK(t *testing.T) {
 		})
 	}
 }
+
+// TestSDKFormModelCalls: the openai SDK's model calls that send a form
+// reach the upstream as sent and are charged their estimate, which stays
+// (their answers report no usage): videos.create (prompt, 36 bytes: 9
+// tokens, and default_max_tokens), realtime.calls.create with a session
+// (instructions, 18 bytes: 5, and the budget) or with the bare SDP offer
+// (the budget alone), and realtime.calls.accept with the Realtime API's
+// unlimited budget, max_output_tokens "inf" (instructions and
+// default_max_tokens). The gateway used to refuse the forms as invalid
+// bodies, and "inf" too.
+func TestSDKFormModelCalls(t *testing.T) {
+	const capacity = 100000
+	lg := sdkGateway(t, llmLimiter("user 100000 1/1h tokens", "cost estimate\n\t\t\tsettle"), sdkUsage)
+	keyer := bucket.NewKeyer("rl:", "")
+	for _, tc := range []struct {
+		name, scenario string
+		params         map[string]any
+		api            providertest.API
+		status         int
+		cost           int64
+		result         string
+	}{
+		{"video", "openai.videos", nil, providertest.Videos, http.StatusOK, 9 + 1024, ""},
+		{"realtime_call", "openai.realtime.calls", nil, providertest.RealtimeCalls, http.StatusCreated, 5 + 1024,
+			`{"status":201,"location":"/v1/realtime/calls/rtc_test","sdp":"v=0\r\no=- 4611731400430051336 2 IN IP4 127.0.0.1\r\ns=-\r\nt=0 0\r\n"}`},
+		{"realtime_call_sdp_only", "openai.realtime.calls", map[string]any{"session": nil}, providertest.RealtimeCalls, http.StatusCreated, 1024, ""},
+		{"realtime_accept", "openai.realtime.calls.accept", nil, providertest.RealtimeAccept, http.StatusOK, 5 + 1024, `"accepted"`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			lg.t = t
+			user := "form-" + tc.name
+			key := keyer.Key("user", user, "tokens")
+			c := runSDK(t, tc.scenario, lg.url, sdkOptions{Headers: map[string]string{"X-User": user}, Params: tc.params})[0]
+			if c.Error != nil || len(c.Attempts) != 1 || c.Attempts[0].Status != tc.status {
+				t.Fatalf("the SDK threw %+v; attempts %+v; want one answered %d", c.Error, c.Attempts, tc.status)
+			}
+			if tc.result != "" && string(c.Result) != tc.result {
+				t.Errorf("the SDK returned %s, want %s", c.Result, tc.result)
+			}
+			if seen := lg.up.last(t); seen.API != tc.api {
+				t.Fatalf("the upstream saw %s %s", seen.Method, seen.Path)
+			}
+			if got := estimatedCost(t, c.Attempts[0]); got != tc.cost {
+				t.Errorf("X-Estimated-Cost %d, want %d", got, tc.cost)
+			}
+			if got := storedTokens(t, lg.rdb, key); got != capacity-tc.cost {
+				t.Errorf("the tokens bucket holds %d, want %d", got, capacity-tc.cost)
+			}
+			if n := len(lg.markers(key)); n != 0 {
+				t.Errorf("%d settlements of a call whose answer reports no usage", n)
+			}
+		})
+	}
+}

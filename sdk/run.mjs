@@ -37,6 +37,9 @@ const root = baseURL.replace(/\/+$/, '');
 let attempts = [];
 
 async function recordingFetch(url, init = {}) {
+  // The SDK reads a data: URL through fetch to build a form; that is no
+  // HTTP attempt.
+  if (String(url).startsWith('data:')) return fetch(url, init);
   const attempt = {
     start: performance.now(),
     method: init.method || 'GET',
@@ -120,6 +123,31 @@ const scenarios = {
     const models = [];
     for await (const m of openai().models.list()) models.push(m);
     return { result: models };
+  },
+
+  // A video's generation: a form (model, prompt, seconds), answered with
+  // the queued job.
+  'openai.videos': async () =>
+    ({ result: await openai().videos.create(params({ model: 'sora-2', prompt: 'A calico cat playing a piano onstage', seconds: '4' })) }),
+
+  // A Realtime call's WebRTC offer: a form of the SDP offer and the
+  // session (a bare application/sdp body when params sets session to
+  // null), answered 201 with the SDP answer.
+  'openai.realtime.calls': async () => {
+    const body = params({
+      sdp: 'v=0\r\no=- 1 2 IN IP4 127.0.0.1\r\ns=-\r\nt=0 0\r\n',
+      session: { type: 'realtime', model: 'gpt-realtime', instructions: 'Be brief and kind.' },
+    });
+    if (body.session === null) delete body.session;
+    const res = await openai().realtime.calls.create(body);
+    return { result: { status: res.status, location: res.headers.get('location'), sdp: await res.text() } };
+  },
+
+  // Accepting an incoming call, with the Realtime API's unlimited budget.
+  'openai.realtime.calls.accept': async () => {
+    await openai().realtime.calls.accept('rtc_test',
+      params({ type: 'realtime', instructions: 'Be brief and kind.', max_output_tokens: 'inf' }));
+    return { result: 'accepted' };
   },
 
   'anthropic.messages': async () => ({ result: await anthropic().messages.create(params(claudeDefaults)) }),

@@ -2,10 +2,17 @@ package providertest
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/base64"
 	"encoding/binary"
 	"encoding/json"
+	"fmt"
+	"io"
 	"math"
+	"mime"
+	"mime/multipart"
+	"net/http"
+	"time"
 )
 
 // OpenAI's answers, as its API reference documents them.
@@ -335,4 +342,49 @@ func embeddingsJSON(req *Request, rep *Reply) []byte {
 		out.Usage = map[string]int64{"prompt_tokens": rep.Usage.Input, "total_tokens": rep.Usage.Input}
 	}
 	return mustJSON(out)
+}
+
+// formCall answers a video generation or a Realtime call's offer as
+// OpenAI does: the form is read (multipart, or a bare SDP offer for a
+// call); a form without its required field (prompt; sdp) is a 400
+// invalid_request_error; a video is answered with its queued job, a call
+// with 201 Created, its SDP answer and its Location. Neither reports usage.
+func (a *answer) formCall() {
+	fields := map[string]string{}
+	mt, params, _ := mime.ParseMediaType(a.r.Header.Get("Content-Type"))
+	switch {
+	case mt == "multipart/form-data":
+		form, err := multipart.NewReader(bytes.NewReader(a.req.Body), params["boundary"]).ReadForm(1 << 20)
+		if err != nil {
+			a.error(http.StatusBadRequest, "", "", "Could not parse multipart form: "+err.Error())
+			return
+		}
+		for name, values := range form.Value {
+			fields[name] = values[len(values)-1]
+		}
+		for name, files := range form.File {
+			fields[name] = files[len(files)-1].Filename
+		}
+	case mt == "application/sdp" && a.req.API == RealtimeCalls:
+		fields["sdp"] = string(a.req.Body)
+	}
+	required := "prompt"
+	if a.req.API == RealtimeCalls {
+		required = "sdp"
+	}
+	if fields[required] == "" {
+		a.error(http.StatusBadRequest, "", "missing_required_parameter", fmt.Sprintf("Missing required parameter: '%s'.", required))
+		return
+	}
+	if a.req.API == RealtimeCalls {
+		h := a.w.Header()
+		h.Set("Content-Type", "application/sdp")
+		h.Set("Location", "/v1/realtime/calls/rtc_test")
+		a.w.WriteHeader(http.StatusCreated)
+		io.WriteString(a.w, "v=0\r\no=- 4611731400430051336 2 IN IP4 127.0.0.1\r\ns=-\r\nt=0 0\r\n")
+		return
+	}
+	seconds, size := cmp.Or(fields["seconds"], "4"), cmp.Or(fields["size"], "720x1280")
+	a.json(http.StatusOK, obj("id", "video_test", "object", "video", "created_at", time.Now().Unix(), "status", "queued",
+		"model", cmp.Or(fields["model"], "sora-2"), "progress", 0, "seconds", seconds, "size", size))
 }

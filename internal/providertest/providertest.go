@@ -38,6 +38,19 @@ const (
 	Messages        API = "messages"         // POST /v1/messages (Anthropic)
 	CountTokens     API = "count_tokens"     // POST /v1/messages/count_tokens (Anthropic)
 	Models          API = "models"           // GET /v1/models
+	// Videos is a video generation (the SDK's videos.create: a form of
+	// model, prompt, seconds, size and an optional input_reference file),
+	// answered with the queued video job, which reports no usage.
+	Videos API = "videos" // POST /v1/videos
+	// RealtimeCalls is a Realtime call's WebRTC offer (the SDK's
+	// realtime.calls.create: a bare application/sdp body, or a form of
+	// sdp and session), answered 201 with an SDP answer and the call's
+	// Location, which report no usage.
+	RealtimeCalls API = "realtime.calls" // POST /v1/realtime/calls
+	// RealtimeAccept accepts an incoming call (the SDK's
+	// realtime.calls.accept: a JSON session configuration), answered
+	// 200 with no body.
+	RealtimeAccept API = "realtime.calls.accept" // POST /v1/realtime/calls/rtc_test/accept
 )
 
 // apiOf maps a request path to its API; "" for a path the server does not
@@ -56,6 +69,12 @@ func apiOf(path string) API {
 		return CountTokens
 	case "/v1/models":
 		return Models
+	case "/v1/videos":
+		return Videos
+	case "/v1/realtime/calls":
+		return RealtimeCalls
+	case "/v1/realtime/calls/rtc_test/accept":
+		return RealtimeAccept
 	}
 	return ""
 }
@@ -357,6 +376,8 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 		a.error(http.StatusBadRequest, "", "", "anthropic-version: header is required")
 	case req.API == Models:
 		a.json(http.StatusOK, modelsJSON())
+	case req.API == Videos || req.API == RealtimeCalls:
+		a.formCall()
 	case !req.ValidJSON && !lenient:
 		msg := "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your HTTP library correctly. " +
 			"The OpenAI API expects a JSON payload, but what was sent was not valid JSON. If you have trouble figuring out how to fix this, please contact us through our help center at help.openai.com.)"
@@ -364,6 +385,8 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 			msg = "There was an issue with the request body: the body must be a JSON object."
 		}
 		a.error(http.StatusBadRequest, "", "", msg)
+	case req.API == RealtimeAccept:
+		a.w.WriteHeader(http.StatusOK)
 	case rep.Status != 0 && rep.Status != http.StatusOK && rep.InStream && req.Stream && req.API == Messages:
 		a.stream([]event{{text: "event: error\ndata: " + string(anthropicError(rep.Status, rep.ErrorType, rep.ErrorMessage)) + "\n\n"}})
 	case rep.Status != 0 && rep.Status != http.StatusOK:
