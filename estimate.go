@@ -201,9 +201,10 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		req, err = llm.ParseRequest(body, e.tok)
 	}
 	if err != nil {
+		// A model call's form over max_body is invalid, as a JSON body is.
 		if read && formCall(urlPath) && (clean || formCall(r.URL.Path)) {
-			if est, ok, ferr := e.formCallEstimate(r, urlPath, body); ok || ferr != nil {
-				return est, ferr
+			if est, ok := e.formCallEstimate(r, urlPath, body); ok {
+				return est, nil
 			}
 		}
 		if uploads(urlPath) && (clean || uploads(r.URL.Path)) {
@@ -429,24 +430,24 @@ func formCall(path string) bool {
 // allocation to read.
 const maxFormParts = 64
 
-// formCallEstimate estimates a form model call (see formCall) whose whole
-// body is in memory: the tokens of its prompt fields, MediaPartTokens for
-// each file part (a video's input_reference, the video to edit or
-// extend), and for a Realtime call the instructions and tools of its
-// session field (JSON, read by llm.ParseRequest); its completion budget is
-// the session's max_output_tokens, else default_max_tokens. Its model is
-// the model field's, else the session's. A Realtime call's bare SDP
-// offer (application/sdp: the SDK sends no form when it has no session)
-// is the budget alone. Their answers report no usage, so the estimate is
-// what the call is charged. ok is false when the body is no form (nor an
-// SDP offer); a form that cannot be read, has more than maxFormParts
-// parts, or two model or session fields (which the upstream's form
-// parser would read one way and the estimate another) is invalid.
-func (e *Estimate) formCallEstimate(r *http.Request, urlPath string, body []byte) (est tokenEstimate, ok bool, err error) {
+// formCallEstimate estimates a form model call (see formCall) from its
+// whole body: the tokens of its prompt fields, MediaPartTokens for each
+// file part (a video's input_reference, the video to edit or extend), and
+// for a Realtime call the instructions and tools of its session field
+// (JSON, read by llm.ParseRequest); its completion budget is the
+// session's max_output_tokens, else default_max_tokens. Its model is the
+// model field's, else the session's. A Realtime call's bare SDP offer
+// (application/sdp: the SDK sends no form when it has no session) is the
+// budget alone. Their answers report no usage, so the estimate is what
+// the call is charged. ok is false, the body invalid, when it is no form
+// (nor an SDP offer), cannot be read, has more than maxFormParts parts,
+// or has two model or session fields (which the upstream's form parser
+// would read one way and the estimate another).
+func (e *Estimate) formCallEstimate(r *http.Request, urlPath string, body []byte) (est tokenEstimate, ok bool) {
 	est = tokenEstimate{completion: e.DefaultMaxTokens, read: true}
-	mt, params, perr := mime.ParseMediaType(r.Header.Get("Content-Type"))
-	if perr != nil {
-		return est, false, nil
+	mt, params, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	if err != nil {
+		return est, false
 	}
 	var model, session []byte
 	seen := map[string]int{}
@@ -465,20 +466,16 @@ func (e *Estimate) formCallEstimate(r *http.Request, urlPath string, body []byte
 	}
 	switch mt {
 	case "application/sdp":
-		if !endsIn(urlPath, "/realtime/calls") {
-			return est, false, nil
-		}
-		return est, true, nil
+		return est, endsIn(urlPath, "/realtime/calls")
 	case "multipart/form-data":
 		mr := multipart.NewReader(bytes.NewReader(body), params["boundary"])
 		for n := 0; ; n++ {
-			p, perr := mr.NextRawPart()
-			if perr == io.EOF {
+			p, err := mr.NextRawPart()
+			if err == io.EOF {
 				break
 			}
-			if perr != nil || n == maxFormParts {
-				est, err = e.invalid()
-				return est, true, err
+			if err != nil || n == maxFormParts {
+				return est, false
 			}
 			name, file := p.FormName(), p.FileName() != ""
 			var value []byte
@@ -489,13 +486,11 @@ func (e *Estimate) formCallEstimate(r *http.Request, urlPath string, body []byte
 		}
 	case "application/x-www-form-urlencoded":
 		if bytes.Count(body, []byte("&")) >= maxFormParts {
-			est, err = e.invalid()
-			return est, true, err
+			return est, false
 		}
-		values, perr := url.ParseQuery(string(body))
-		if perr != nil {
-			est, err = e.invalid()
-			return est, true, err
+		values, err := url.ParseQuery(string(body))
+		if err != nil {
+			return est, false
 		}
 		for name, vs := range values {
 			for _, v := range vs {
@@ -503,17 +498,15 @@ func (e *Estimate) formCallEstimate(r *http.Request, urlPath string, body []byte
 			}
 		}
 	default:
-		return est, false, nil
+		return est, false
 	}
 	if seen["model"] > 1 || seen["session"] > 1 {
-		est, err = e.invalid()
-		return est, true, err
+		return est, false
 	}
 	if session != nil {
-		req, perr := llm.ParseRequest(session, e.tok)
-		if perr != nil {
-			est, err = e.invalid()
-			return est, true, err
+		req, err := llm.ParseRequest(session, e.tok)
+		if err != nil {
+			return est, false
 		}
 		est.prompt = min(est.prompt+req.PromptTokens, llm.MaxCost)
 		est.completion = req.Budget(e.DefaultMaxTokens)
@@ -522,7 +515,7 @@ func (e *Estimate) formCallEstimate(r *http.Request, urlPath string, body []byte
 	if model != nil {
 		est.model = strings.ToValidUTF8(string(model), "\uFFFD") // as llm.Request.Model
 	}
-	return est, true, nil
+	return est, true
 }
 
 // includesUsage reports whether a request to path is one whose stream

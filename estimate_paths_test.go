@@ -204,4 +204,14 @@ func TestEstimateFormModelCalls(t *testing.T) {
 			}
 		})
 	}
+	// A form over max_body is invalid, as a JSON body is.
+	small := &Estimate{MaxBody: 64}
+	if err := small.provision(); err != nil {
+		t.Fatal(err)
+	}
+	req := httptest.NewRequest(http.MethodPost, "/v1/videos", strings.NewReader(video+"--b--\r\n"))
+	req.Header.Set("Content-Type", multipartType)
+	if est, err := small.estimate(httptest.NewRecorder(), req, false); !errors.Is(err, errInvalidBody) {
+		t.Errorf("a form over max_body: estimate %+v, %v; want errInvalidBody", est, err)
+	}
 }
