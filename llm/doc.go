@@ -97,11 +97,13 @@
 //	                           apply_patch_call's diff, the title and
 //	                           context of an Anthropic document or search
 //	                           result, a web_search_call action's query
-//	action, operation          an object read as a message, so that only
-//	                           its text counts (a shell_call's or
+//	action, actions,           an object read as a message, so that only
+//	operation                  its text counts (a shell_call's or
 //	                           local_shell_call's action, an
-//	                           apply_patch_call's operation; a
-//	                           computer_call's action counts nothing)
+//	                           apply_patch_call's operation, the text of a
+//	                           computer_call's type action); an array, each
+//	                           of its objects so (a computer_call's
+//	                           batched actions)
 //	results                    the "text" of each result object, a content
 //	                           value (a file_search_call's results)
 //	function, function_call    an object read as a part (OpenAI tool call

@@ -715,16 +715,12 @@ func (p *parser) part(message bool) error {
 			} else {
 				err = p.jsonText()
 			}
-		case "action", "operation":
+		case "action", "actions", "operation":
 			// A shell or local shell call's commands, an apply_patch
-			// call's diff, a web search call's query; a computer call's
-			// action has no text. Read as a message: no media part of
-			// its own.
-			if p.dec.PeekKind() == '{' {
-				err = p.part(true)
-			} else {
-				err = p.skip()
-			}
+			// call's diff, a web search call's query, a computer call's
+			// typed text (in its action, or in its batched actions:
+			// ComputerActionList).
+			err = p.action()
 		case "role":
 			known = true
 			err = p.skip()
@@ -805,6 +801,29 @@ func (p *parser) source() (text, other bool, err error) {
 	}
 	p.pending = p.pending[:mark]
 	return text, other || !typed, p.end()
+}
+
+// action reads an "action", "actions" or "operation" member: an object is
+// read as a message, so that only its text counts and it is no media part
+// of its own; an array (a computer_call's batched actions) is its items,
+// each read so; anything else counts nothing (an image_generation_call's
+// action is a word, "generate").
+func (p *parser) action() error {
+	switch p.dec.PeekKind() {
+	case '{':
+		return p.part(true)
+	case '[':
+		if err := p.begin(); err != nil {
+			return err
+		}
+		for p.dec.PeekKind() != ']' {
+			if err := p.action(); err != nil {
+				return err
+			}
+		}
+		return p.end()
+	}
+	return p.skip()
 }
 
 // typeName reads a "type" member's value: the string, unquoted, or nil

@@ -209,6 +209,12 @@ func TestParseRequestApprox(t *testing.T) {
 			`"name":"lookup","arguments":"{}","output":"found"},` +
 			`{"type":"computer_call","call_id":"c4","status":"completed","pending_safety_checks":[],` +
 			`"action":{"type":"click","button":"left","x":1,"y":2}}]}`, 2 + 1 + 2 + 85, -1},
+		// A computer_call's batched actions (computer_use): a type
+		// action's text (12 bytes: 3) counts, as in its action; the call
+		// stays one part of 85, its actions none.
+		{"responses_computer_call_batched_actions", `{"input":[{"type":"computer_call","id":"cu_1","call_id":"c5",` +
+			`"status":"completed","pending_safety_checks":[],"actions":[{"type":"click","button":"left","x":1,"y":2},` +
+			`{"type":"type","text":"hello world!"},{"type":"keypress","keys":["ENTER"]}]}]}`, 85 + 3, -1},
 		// An mcp_list_tools item's tools are definitions the model reads:
 		// their JSON text, as the request's own tools, not one media part.
 		{"responses_mcp_list_tools", `{"input":[{"type":"mcp_list_tools","id":"l1","server_label":"s","tools":` + mcpTools + `}]}`, ap(mcpTools), -1},
