@@ -106,6 +106,10 @@
 //	                           batched actions)
 //	results                    the "text" of each result object, a content
 //	                           value (a file_search_call's results)
+//	result                     a string is one text, anything else its raw
+//	                           JSON text (a program_output's result); not
+//	                           read in an image_generation_call, whose
+//	                           result is its image, base64
 //	function, function_call    an object read as a part (OpenAI tool call
 //	                           and legacy function call: name, arguments)
 //	source                     an object: the "data" of a plain-text source
@@ -125,7 +129,8 @@
 // file_search_call, computer_call_output, shell_call, shell_call_output,
 // local_shell_call, local_shell_call_output, apply_patch_call,
 // apply_patch_call_output, mcp_call, mcp_approval_request,
-// mcp_approval_response, mcp_list_tools, search_result), or has neither a
+// mcp_approval_response, mcp_list_tools, search_result, program,
+// program_output), or has neither a
 // type nor any of the members above nor a role; but not when it has a
 // "source" and all its sources are plain-text or content sources. So
 // image_url, input_image, image, input_audio, file, input_file,

@@ -120,9 +120,9 @@ func (r Request) Cost(defaultMax int64) int64 {
 // documentation, "Names and duplicates"). The body is not
 // modified nor retained. Time and memory are linear in len(body). Under
 // Approx a parse allocates only the Model string (and a buffer for a
-// string over 64 KB with escapes, or for more than 1,024 source data
-// members read before their type); a BPE tokenizer allocates per text.
-// The error wraps ErrInvalidBody.
+// string over 64 KB with escapes, or for more than 1,024 source data or
+// result members read before their type); a BPE tokenizer allocates per
+// text. The error wraps ErrInvalidBody.
 func ParseRequest(body []byte, tok Tokenizer) (Request, error) {
 	if tok == nil {
 		tok = approxTokenizer{}
@@ -165,8 +165,9 @@ type parser struct {
 	prompt int64
 	name   []byte // an unquoted member name with escapes
 	text   []byte // an unquoted string with escapes
-	// pending holds the spans of the "data" members of the sources being
-	// read whose type is not known yet (see source), innermost last.
+	// pending holds the spans of the "data" members of the sources, and
+	// of the "result" members of the parts, being read whose type is not
+	// known yet (see source and part), innermost last.
 	pending []span
 }
 
@@ -661,8 +662,9 @@ func (p *parser) part(message bool) error {
 	if err := p.begin(); err != nil {
 		return err
 	}
-	var typed, media, known bool
+	var typed, media, known, image bool
 	var textSource, mediaSource bool
+	mark := len(p.pending)
 	for p.dec.PeekKind() != '}' {
 		name, err := p.memberName()
 		if err != nil {
@@ -674,6 +676,7 @@ func (p *parser) part(message bool) error {
 			var t []byte
 			if t, err = p.typeName(); err == nil {
 				media = media || t == nil || !textType(t)
+				image = image || string(t) == "image_generation_call"
 			}
 		case "output":
 			known = true
@@ -699,6 +702,14 @@ func (p *parser) part(message bool) error {
 		case "results":
 			known = true
 			err = p.results()
+		case "result":
+			// A program_output's result, counted as strOrJSON does once
+			// the type is known; an image_generation_call's result is its
+			// image, base64, not read.
+			known = true
+			var s span
+			s.start, s.end, err = p.skipSpan()
+			p.pending = append(p.pending, s)
 		case "source":
 			if p.dec.PeekKind() != '{' {
 				err = p.skip()
@@ -731,6 +742,12 @@ func (p *parser) part(message bool) error {
 			return err
 		}
 	}
+	if !image {
+		for _, s := range p.pending[mark:] {
+			p.countSpan(s)
+		}
+	}
+	p.pending = p.pending[:mark]
 	// A part whose sources all carry text (an Anthropic document of plain
 	// text or of content blocks) is that text, not a media part.
 	textOnly := textSource && !mediaSource
@@ -852,7 +869,8 @@ func textType(t []byte) bool {
 		"computer_call_output",
 		"shell_call", "shell_call_output", "local_shell_call", "local_shell_call_output",
 		"apply_patch_call", "apply_patch_call_output",
-		"mcp_call", "mcp_approval_request", "mcp_approval_response", "mcp_list_tools", "search_result":
+		"mcp_call", "mcp_approval_request", "mcp_approval_response", "mcp_list_tools", "search_result",
+		"program", "program_output":
 		return true
 	}
 	return false

@@ -215,6 +215,15 @@ func TestParseRequestApprox(t *testing.T) {
 		{"responses_computer_call_batched_actions", `{"input":[{"type":"computer_call","id":"cu_1","call_id":"c5",` +
 			`"status":"completed","pending_safety_checks":[],"actions":[{"type":"click","button":"left","x":1,"y":2},` +
 			`{"type":"type","text":"hello world!"},{"type":"keypress","keys":["ENTER"]}]}]}`, 85 + 3, -1},
+		// Programmatic tool calling: a program's code (8 bytes: 2) and a
+		// program_output's result (2 and 8: 1 + 2, read before its type
+		// too), no media parts; an image_generation_call's result is its
+		// image, base64, not read: 85 each, whatever the order.
+		{"responses_program_and_output", `{"input":[{"type":"program","id":"p1","call_id":"c6","code":"print(2)","fingerprint":"fp"},` +
+			`{"type":"program_output","id":"po1","call_id":"c6","result":"2\n","status":"completed"},` +
+			`{"result":"abcdefgh","type":"program_output","id":"po2","call_id":"c7","status":"incomplete"},` +
+			`{"type":"image_generation_call","id":"ig_1","status":"completed","result":"iVBORw0KGgoAAAANSUhEUgAA"},` +
+			`{"result":"iVBORw0KGgoAAAANSUhEUgAA","id":"ig_2","status":"completed","type":"image_generation_call"}]}`, 2 + 1 + 2 + 2*85, -1},
 		// An mcp_list_tools item's tools are definitions the model reads:
 		// their JSON text, as the request's own tools, not one media part.
 		{"responses_mcp_list_tools", `{"input":[{"type":"mcp_list_tools","id":"l1","server_label":"s","tools":` + mcpTools + `}]}`, ap(mcpTools), -1},
