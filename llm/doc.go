@@ -78,7 +78,8 @@
 //	summary, tool_calls,       OpenAI role "tool" message's content, an
 //	outputs, queries,          Anthropic tool_result's content, a Responses
 //	commands, command          function_call_output's output, an assistant
-//	                           message's tool_calls, reasoning summaries, a
+//	                           message's tool_calls, a reasoning item's
+//	                           summary and content, a
 //	                           code_interpreter_call's outputs, a
 //	                           file_search_call's queries, a shell_call's
 //	                           commands and a local_shell_call's command);
@@ -123,7 +124,7 @@
 // role, type and every other member count nothing. A part also counts
 // MediaPartTokens when, not being a message, it has a "type" that is not
 // a text type (text, input_text, output_text, refusal, summary_text,
-// message, reasoning, thinking, function, function_call,
+// message, reasoning, reasoning_text, thinking, function, function_call,
 // function_call_output, custom_tool_call, custom_tool_call_output,
 // tool_use, server_tool_use, tool_result, code_interpreter_call, logs,
 // file_search_call, computer_call_output, shell_call, shell_call_output,

@@ -861,7 +861,7 @@ func (p *parser) typeName() ([]byte, error) {
 func textType(t []byte) bool {
 	switch string(t) {
 	case "text", "input_text", "output_text", "refusal", "summary_text",
-		"message", "reasoning", "thinking",
+		"message", "reasoning", "reasoning_text", "thinking",
 		"function", "function_call", "function_call_output",
 		"custom_tool_call", "custom_tool_call_output",
 		"tool_use", "server_tool_use", "tool_result",

@@ -162,6 +162,11 @@ func TestParseRequestApprox(t *testing.T) {
 			`{"type":"function_call","call_id":"c1","name":"f","arguments":"{\"a\":1}"},` +
 			`{"type":"function_call_output","call_id":"c1","output":"result"},` +
 			`{"type":"message","role":"assistant","content":[{"type":"output_text","text":"Done."}]}]}`, 4 + 1 + 2 + 2 + 2, -1},
+		// A reasoning item given back: its summary and its content (4 and
+		// 8 bytes: 1 + 2), reasoning_text parts being text, not media; its
+		// encrypted_content is not read.
+		{"responses_reasoning_item", `{"input":[{"type":"reasoning","id":"rs_1","summary":[{"type":"summary_text","text":"abcd"}],` +
+			`"content":[{"type":"reasoning_text","text":"abcdefgh"}],"encrypted_content":"gAAAAABo"}]}`, 1 + 2, -1},
 		// Built-in tool calls given back as input: a code_interpreter_call's
 		// code (12 bytes: 3) and outputs, its logs (2: 1) and an image
 		// (85); a file_search_call's queries (12: 3) and its results' text
