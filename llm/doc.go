@@ -87,17 +87,20 @@
 //	                           Responses computer_call_output's
 //	                           screenshot, one image part: its data URL is
 //	                           not read)
-//	input, tools               its raw JSON text (Anthropic tool_use input,
-//	                           an mcp_list_tools item's tool definitions)
-//	arguments, name,           a string is one text, anything else its raw
-//	refusal, thinking,         JSON text: tool call arguments, the names of
-//	code, logs, stdout,        messages, tools and functions called (short:
-//	stderr, diff, title,       they count as any text, which is never low),
-//	context, query             a code_interpreter_call's code and its logs,
-//	                           a shell_call_output's stdout and stderr, an
-//	                           apply_patch_call's diff, the title and
-//	                           context of an Anthropic document or search
-//	                           result, a web_search_call action's query
+//	tools                      its raw JSON text (an mcp_list_tools item's
+//	                           tool definitions)
+//	input, arguments,          a string is one text, anything else its raw
+//	name, refusal,             JSON text: tool call arguments and input (an
+//	thinking, code, logs,      Anthropic tool_use's input object, a
+//	stdout, stderr, diff,      custom_tool_call's input string), the names
+//	title, context, query      of messages, tools and functions called
+//	                           (short: they count as any text, which is
+//	                           never low), a code_interpreter_call's code
+//	                           and its logs, a shell_call_output's stdout
+//	                           and stderr, an apply_patch_call's diff, the
+//	                           title and context of an Anthropic document
+//	                           or search result, a web_search_call
+//	                           action's query
 //	action, actions,           an object read as a message, so that only
 //	operation                  its text counts (a shell_call's or
 //	                           local_shell_call's action, an
@@ -111,8 +114,9 @@
 //	                           JSON text (a program_output's result); not
 //	                           read in an image_generation_call, whose
 //	                           result is its image, base64
-//	function, function_call    an object read as a part (OpenAI tool call
-//	                           and legacy function call: name, arguments)
+//	function, function_call,   an object read as a part (OpenAI tool call
+//	custom                     and legacy function call: name, arguments;
+//	                           a chat custom tool call: name, input)
 //	source                     an object: the "data" of a plain-text source
 //	                           ({"type":"text","data":...}) as one text,
 //	                           the "content" of a content source
@@ -125,7 +129,7 @@
 // MediaPartTokens when, not being a message, it has a "type" that is not
 // a text type (text, input_text, output_text, refusal, summary_text,
 // message, reasoning, reasoning_text, thinking, function, function_call,
-// function_call_output, custom_tool_call, custom_tool_call_output,
+// function_call_output, custom, custom_tool_call, custom_tool_call_output,
 // tool_use, server_tool_use, tool_result, code_interpreter_call, logs,
 // file_search_call, computer_call_output, shell_call, shell_call_output,
 // local_shell_call, local_shell_call_output, apply_patch_call,

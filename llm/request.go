@@ -690,12 +690,12 @@ func (p *parser) part(message bool) error {
 			"commands", "command":
 			known = true
 			err = p.content()
-		case "input", "tools":
-			// tools: an mcp_list_tools item's tool definitions, which the
-			// model reads as it reads the request's own tools.
+		case "tools":
+			// An mcp_list_tools item's tool definitions, which the model
+			// reads as it reads the request's own tools.
 			known = true
 			err = p.jsonText()
-		case "arguments", "name", "refusal", "thinking", "code", "logs",
+		case "input", "arguments", "name", "refusal", "thinking", "code", "logs",
 			"stdout", "stderr", "diff", "title", "context", "query":
 			known = true
 			err = p.strOrJSON()
@@ -719,7 +719,7 @@ func (p *parser) part(message bool) error {
 			text, other, err = p.source()
 			textSource = textSource || text
 			mediaSource = mediaSource || other
-		case "function", "function_call":
+		case "function", "function_call", "custom":
 			known = true
 			if p.dec.PeekKind() == '{' {
 				err = p.part(true)
@@ -862,7 +862,7 @@ func textType(t []byte) bool {
 	switch string(t) {
 	case "text", "input_text", "output_text", "refusal", "summary_text",
 		"message", "reasoning", "reasoning_text", "thinking",
-		"function", "function_call", "function_call_output",
+		"function", "function_call", "function_call_output", "custom",
 		"custom_tool_call", "custom_tool_call_output",
 		"tool_use", "server_tool_use", "tool_result",
 		"code_interpreter_call", "logs", "file_search_call",

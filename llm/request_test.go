@@ -167,6 +167,15 @@ func TestParseRequestApprox(t *testing.T) {
 		// encrypted_content is not read.
 		{"responses_reasoning_item", `{"input":[{"type":"reasoning","id":"rs_1","summary":[{"type":"summary_text","text":"abcd"}],` +
 			`"content":[{"type":"reasoning_text","text":"abcdefgh"}],"encrypted_content":"gAAAAABo"}]}`, 1 + 2, -1},
+		// A custom tool call's input is a string: one text, its escapes
+		// decoded (30 bytes: 8), not its JSON text (34: 9); name 5 bytes
+		// (2), output 2 (1). In chat, the call's custom object is read as
+		// a function's is, and the call is no media part.
+		{"responses_custom_tool_call", `{"input":[{"type":"custom_tool_call","call_id":"c8","name":"apply",` +
+			`"input":"*** Begin Patch\n*** End Patch\n"},{"type":"custom_tool_call_output","call_id":"c8","output":"ok"}]}`, 2 + 8 + 1, -1},
+		{"chat_custom_tool_call", `{"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"call_9","type":"custom",` +
+			`"custom":{"name":"apply","input":"*** Begin Patch\n*** End Patch\n"}}]},{"role":"tool","tool_call_id":"call_9","content":"ok"}]}`,
+			2 + 8 + 1, -1},
 		// Built-in tool calls given back as input: a code_interpreter_call's
 		// code (12 bytes: 3) and outputs, its logs (2: 1) and an image
 		// (85); a file_search_call's queries (12: 3) and its results' text
