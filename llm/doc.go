@@ -93,14 +93,16 @@
 //	name, refusal,             JSON text: tool call arguments and input (an
 //	thinking, code, logs,      Anthropic tool_use's input object, a
 //	stdout, stderr, diff,      custom_tool_call's input string), the names
-//	title, context, query      of messages, tools and functions called
-//	                           (short: they count as any text, which is
+//	title, context, query,     of messages, tools and functions called
+//	pattern, reason, error     (short: they count as any text, which is
 //	                           never low), a code_interpreter_call's code
 //	                           and its logs, a shell_call_output's stdout
 //	                           and stderr, an apply_patch_call's diff, the
 //	                           title and context of an Anthropic document
 //	                           or search result, a web_search_call
-//	                           action's query
+//	                           action's query or find pattern, an
+//	                           mcp_approval_response's reason, an
+//	                           mcp_call's or mcp_list_tools item's error
 //	action, actions,           an object read as a message, so that only
 //	operation                  its text counts (a shell_call's or
 //	                           local_shell_call's action, an

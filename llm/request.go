@@ -696,7 +696,8 @@ func (p *parser) part(message bool) error {
 			known = true
 			err = p.jsonText()
 		case "input", "arguments", "name", "refusal", "thinking", "code", "logs",
-			"stdout", "stderr", "diff", "title", "context", "query":
+			"stdout", "stderr", "diff", "title", "context", "query", "pattern",
+			"reason", "error":
 			known = true
 			err = p.strOrJSON()
 		case "results":

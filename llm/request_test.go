@@ -22,6 +22,7 @@ const (
 	textFormat = `{"type":"json_schema","name":"answer","schema":{"type":"object","properties":{}}}`
 	toolInput  = `{"city":"Paris"}`
 	mcpTools   = `[{"name":"lookup","description":"Looks a word up in the glossary.","input_schema":{"type":"object"}}]`
+	mcpError   = `{"type":"http_error","code":500,"message":"boom"}`
 )
 
 // TestParseRequestApprox: exact estimates under Approx, ⌈bytes/4⌉ per
@@ -238,6 +239,17 @@ func TestParseRequestApprox(t *testing.T) {
 			`{"result":"abcdefgh","type":"program_output","id":"po2","call_id":"c7","status":"incomplete"},` +
 			`{"type":"image_generation_call","id":"ig_1","status":"completed","result":"iVBORw0KGgoAAAANSUhEUgAA"},` +
 			`{"result":"iVBORw0KGgoAAAANSUhEUgAA","id":"ig_2","status":"completed","type":"image_generation_call"}]}`, 2 + 1 + 2 + 2*85, -1},
+		// Client text of MCP items and a web search's find: an approval's
+		// reason (16 bytes: 4); a failed call's name, arguments and error
+		// object (2 + 1 + its JSON text); a listing's tools and error (2
+		// and 11: 1 + 3); a find_in_page action's pattern (11: 3), beside
+		// the web search call's 85.
+		{"responses_mcp_errors_reason_and_find_pattern", `{"input":[` +
+			`{"type":"mcp_approval_response","approval_request_id":"a2","approve":false,"reason":"Not on weekends."},` +
+			`{"type":"mcp_call","id":"m2","server_label":"s","name":"lookup","arguments":"{}","status":"failed","error":` + mcpError + `},` +
+			`{"type":"mcp_list_tools","id":"l2","server_label":"s","tools":[],"error":"unreachable"},` +
+			`{"type":"web_search_call","id":"ws_2","status":"completed","action":{"type":"find_in_page","pattern":"refill rate",` +
+			`"url":"https://example.com/a"}}]}`, 4 + 2 + 1 + ap(mcpError) + 1 + 3 + 85 + 3, -1},
 		// An mcp_list_tools item's tools are definitions the model reads:
 		// their JSON text, as the request's own tools, not one media part.
 		{"responses_mcp_list_tools", `{"input":[{"type":"mcp_list_tools","id":"l1","server_label":"s","tools":` + mcpTools + `}]}`, ap(mcpTools), -1},
