@@ -119,7 +119,10 @@
 //	function, function_call,   an object read as a part (OpenAI tool call
 //	custom                     and legacy function call: name, arguments;
 //	                           a chat custom tool call: name, input)
-//	source                     an object: the "data" of a plain-text source
+//	source                     a string is one text (an Anthropic search
+//	                           result's source), anything but an object its
+//	                           raw JSON text; an object: the "data" of a
+//	                           plain-text source
 //	                           ({"type":"text","data":...}) as one text,
 //	                           the "content" of a content source
 //	                           ({"type":"content","content":...}) as a

@@ -713,7 +713,9 @@ func (p *parser) part(message bool) error {
 			p.pending = append(p.pending, s)
 		case "source":
 			if p.dec.PeekKind() != '{' {
-				err = p.skip()
+				// A search result's source, a URL or an identifier the
+				// model reads and cites.
+				err = p.strOrJSON()
 				break
 			}
 			var text, other bool

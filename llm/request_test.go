@@ -131,10 +131,11 @@ func TestParseRequestApprox(t *testing.T) {
 		{"anthropic_document_title_and_context", `{"messages":[{"role":"user","content":[` +
 			`{"type":"document","title":"Q3 notes","context":"Internal, draft.","citations":{"enabled":true},` +
 			`"source":{"type":"base64","media_type":"application/pdf","data":"JVBERi0xLjQK"}}]}]}`, 2 + 4 + 85, -1},
-		// A search result is text: its title and content blocks (9 and 23
-		// bytes: 3 + 6), not its source URL; no media part.
+		// A search result is text: its source, title and content blocks
+		// (21, 9 and 23 bytes: 6 + 3 + 6), which the model reads and
+		// cites; no media part.
 		{"anthropic_search_result", `{"messages":[{"role":"user","content":[{"type":"search_result",` +
-			`"source":"https://example.com/a","title":"A buckets","content":[{"type":"text","text":"A token bucket refills."}]}]}]}`, 3 + 6, -1},
+			`"source":"https://example.com/a","title":"A buckets","content":[{"type":"text","text":"A token bucket refills."}]}]}]}`, 6 + 3 + 6, -1},
 		{"anthropic_document_content_string", `{"messages":[{"role":"user","content":[` +
 			`{"type":"document","source":{"type":"content","content":"abcd"}}]}]}`, 1, -1},
 		{"anthropic_document_content_blocks", `{"messages":[{"role":"user","content":[` +
