@@ -76,8 +76,9 @@
 //
 //	text, content, output,     a content value, so nested blocks count (an
 //	summary, tool_calls,       OpenAI role "tool" message's content, an
-//	outputs, queries,          Anthropic tool_result's content, a Responses
-//	commands, command          function_call_output's output, an assistant
+//	outputs, queries,          Anthropic tool_result's content and a
+//	commands, command,         compaction block's tool_changes, a Responses
+//	tool_changes               function_call_output's output, an assistant
 //	                           message's tool_calls, a reasoning item's
 //	                           summary and content, a
 //	                           code_interpreter_call's outputs, a
@@ -87,8 +88,9 @@
 //	                           Responses computer_call_output's
 //	                           screenshot, one image part: its data URL is
 //	                           not read)
-//	tools                      its raw JSON text (an mcp_list_tools item's
-//	                           tool definitions)
+//	tools, tool                its raw JSON text (an mcp_list_tools item's
+//	                           tool definitions, an Anthropic
+//	                           tool_addition's tool)
 //	input, arguments,          a string is one text, anything else its raw
 //	name, refusal,             JSON text: tool call arguments and input (an
 //	thinking, code, logs,      Anthropic tool_use's input object, a
@@ -140,7 +142,7 @@
 // local_shell_call, local_shell_call_output, apply_patch_call,
 // apply_patch_call_output, mcp_call, mcp_approval_request,
 // mcp_approval_response, mcp_list_tools, search_result, program,
-// program_output), or has neither a
+// program_output, tool_addition, tool_removal), or has neither a
 // type nor any of the members above nor a role; but not when it has a
 // "source" and all its sources are plain-text or content sources. So
 // image_url, input_image, image, input_audio, file, input_file,

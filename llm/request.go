@@ -687,12 +687,13 @@ func (p *parser) part(message bool) error {
 				err = p.content()
 			}
 		case "text", "content", "summary", "tool_calls", "outputs", "queries",
-			"commands", "command":
+			"commands", "command", "tool_changes":
 			known = true
 			err = p.content()
-		case "tools":
-			// An mcp_list_tools item's tool definitions, which the model
-			// reads as it reads the request's own tools.
+		case "tools", "tool":
+			// An mcp_list_tools item's tool definitions, an Anthropic
+			// tool_addition's tool, which the model reads as it reads the
+			// request's own tools.
 			known = true
 			err = p.jsonText()
 		case "input", "arguments", "name", "refusal", "thinking", "code", "logs",
@@ -873,7 +874,7 @@ func textType(t []byte) bool {
 		"shell_call", "shell_call_output", "local_shell_call", "local_shell_call_output",
 		"apply_patch_call", "apply_patch_call_output",
 		"mcp_call", "mcp_approval_request", "mcp_approval_response", "mcp_list_tools", "search_result",
-		"program", "program_output":
+		"program", "program_output", "tool_addition", "tool_removal":
 		return true
 	}
 	return false

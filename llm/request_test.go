@@ -23,6 +23,9 @@ const (
 	toolInput  = `{"city":"Paris"}`
 	mcpTools   = `[{"name":"lookup","description":"Looks a word up in the glossary.","input_schema":{"type":"object"}}]`
 	mcpError   = `{"type":"http_error","code":500,"message":"boom"}`
+	// An Anthropic tool_addition's tool, and a tool_removal's.
+	toolAddition  = `{"type":"tool_definition","definition":{"name":"lookup","description":"Looks a word up.","input_schema":{"type":"object"}}}`
+	toolReference = `{"type":"tool_reference","name":"old"}`
 )
 
 // TestParseRequestApprox: exact estimates under Approx, ⌈bytes/4⌉ per
@@ -136,6 +139,14 @@ func TestParseRequestApprox(t *testing.T) {
 		// cites; no media part.
 		{"anthropic_search_result", `{"messages":[{"role":"user","content":[{"type":"search_result",` +
 			`"source":"https://example.com/a","title":"A buckets","content":[{"type":"text","text":"A token bucket refills."}]}]}]}`, 6 + 3 + 6, -1},
+		// A tool added mid-conversation (a system message's or a
+		// compaction's tool_changes) is a definition the model reads: its
+		// JSON text, as the request's own tools; a removal, its reference.
+		// The compaction block stays one part of 85 beside its content (1).
+		{"anthropic_tool_changes", `{"messages":[{"role":"system","content":[{"type":"tool_addition","tool":` + toolAddition + `}]},` +
+			`{"role":"assistant","content":[{"type":"compaction","content":"abcd","tool_changes":[` +
+			`{"type":"tool_addition","tool":` + toolAddition + `},{"type":"tool_removal","tool":` + toolReference + `}]}]}]}`,
+			ap(toolAddition) + 85 + 1 + ap(toolAddition) + ap(toolReference), -1},
 		{"anthropic_document_content_string", `{"messages":[{"role":"user","content":[` +
 			`{"type":"document","source":{"type":"content","content":"abcd"}}]}]}`, 1, -1},
 		{"anthropic_document_content_blocks", `{"messages":[{"role":"user","content":[` +
