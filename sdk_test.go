@@ -1008,6 +1008,55 @@ func TestSDKCountTokensIsFree(t *testing.T) {
 	}
 }
 
+// TestSDKEstimateReadsAgentItems: the items an agent loop gives back
+// through the SDKs, as their types define them, are charged their text
+// before the call: a computer call's batched type action, a program's
+// output, a custom tool call's input (its text, not its JSON), a
+// reasoning item's content and an MCP approval's reason (Responses), a
+// search result's source (Anthropic), each 4000 bytes, 1000 tokens under
+// approx.
+func TestSDKEstimateReadsAgentItems(t *testing.T) {
+	lg := sdkGateway(t, llmLimiter("user 100000 1/1h tokens", "cost estimate\n\t\t\tsettle"), sdkUsage)
+	big := strings.Repeat("0123456789", 400)
+	for _, tc := range []struct {
+		name, scenario string
+		params         map[string]any
+		cost           int64
+		path           string
+	}{
+		// 85 for the computer call, 5 × 1000, and "apply" (2), + the
+		// budget of 16.
+		{"responses", "openai.responses", map[string]any{"max_output_tokens": 16, "input": []any{
+			map[string]any{"type": "computer_call", "id": "cu_1", "call_id": "c1", "status": "completed", "pending_safety_checks": []any{},
+				"actions": []any{map[string]any{"type": "type", "text": big}}},
+			map[string]any{"type": "program_output", "id": "po_1", "call_id": "c2", "result": big, "status": "completed"},
+			map[string]any{"type": "custom_tool_call", "call_id": "c3", "name": "apply", "input": big},
+			map[string]any{"type": "reasoning", "id": "rs_1", "summary": []any{},
+				"content": []any{map[string]any{"type": "reasoning_text", "text": big}}},
+			map[string]any{"type": "mcp_approval_response", "approval_request_id": "a1", "approve": false, "reason": big},
+		}}, 85 + 5*1000 + 2 + 16, "/v1/responses"},
+		// The source (1000), title and text (1 + 1), + the budget of 16.
+		{"anthropic", "anthropic.messages", map[string]any{"max_tokens": 16, "messages": []any{map[string]any{"role": "user",
+			"content": []any{map[string]any{"type": "search_result", "source": big, "title": "t",
+				"content": []any{map[string]any{"type": "text", "text": "abcd"}}}}}}},
+			1000 + 1 + 1 + 16, "/v1/messages"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			lg.t = t
+			c := runSDK(t, tc.scenario, lg.url, sdkOptions{Headers: map[string]string{"X-User": "items-" + tc.name}, Params: tc.params})[0]
+			a := okCall(t, tc.name, c)
+			if got := estimatedCost(t, a); got != tc.cost {
+				t.Errorf("estimated cost %d, want %d", got, tc.cost)
+			}
+			seen := lg.up.last(t)
+			if seen.Path != tc.path {
+				t.Fatalf("the upstream saw %s %s", seen.Method, seen.Path)
+			}
+			wantUpstreamBody(t, seen, sentBody(t, a))
+		})
+	}
+}
+
 // TestSDKLongCompressedStreamSettles: a client that asks for its own usage
 // chunk keeps its Accept-Encoding (the openai SDK sends gzip), so Caddy's
 // encode compresses the stream. A stream whose compressed bytes pass
