@@ -580,6 +580,32 @@ func TestSettleHeaderMode(t *testing.T) {
 	}
 }
 
+// TestSettleHeaderHiddenFromClients: a site that keeps the usage header
+// from its clients with header -X-Tokens-Used (a deferred deletion, which
+// Caddy's order runs before token_bucket, so around it) still settles from
+// it: the count is read as the upstream sent it, not after the handlers
+// around token_bucket have taken it out.
+func TestSettleHeaderHiddenFromClients(t *testing.T) {
+	up := startLLMUpstream(t)
+	limiter := llmLimiter("user 10000 1/1h tokens", "cost estimate\n\t\t\tsettle header X-Tokens-Used")
+	g := startGateway(t, "header -X-Tokens-Used\n"+llmSite(up.Addr, limiter))
+	tr := &http.Transport{MaxConnsPerHost: 1, MaxIdleConnsPerHost: 1, DisableCompression: true}
+	t.Cleanup(tr.CloseIdleConnections)
+	lg := &llmGateway{e2eGateway: g, up: up, client: &http.Client{Transport: tr, Timeout: time.Minute}}
+	spec := llmSpec(t, 10000, "1/1h")
+	key := bucket.NewKeyer("rl:", "").Key("user", "hidden", "tokens")
+	lg.up.watchKeys(lg.rdb, key)
+	r := lg.post("/v1/chat/completions", chat500, "X-User", "hidden", "X-Test-Usage", "1,1", "X-Test-Tokens-Used", "320")
+	if r.status != http.StatusOK || r.header.Get("X-Estimated-Cost") != "500" {
+		t.Fatalf("%d, estimated cost %q; want 200 with an estimate of 500", r.status, r.header.Get("X-Estimated-Cost"))
+	}
+	if v := r.header.Values("X-Tokens-Used"); len(v) != 0 {
+		t.Fatalf("the client received X-Tokens-Used %q, which the site deletes", v)
+	}
+	lg.sync()
+	lg.wantSettled("hidden header", key, spec, lg.up.last(t), 320-500, 10000-320)
+}
+
 // TestSettleDebtDelaysNextRequest: a bucket of 1000 refilled at 1000 a
 // minute (1 token per 60 ms). A request estimated at 500 that used 1500
 // leaves the bucket 500 tokens in debt: T' = −500. By docs/design.md §2 a request

@@ -45,9 +45,11 @@ import (
 type Settle struct {
 	// Header names a response header that carries the total tokens used,
 	// a decimal integer from 0 to 2^53-1; when set, the body is not
-	// parsed. A response without it keeps its estimate (counted as
-	// settlements_total{outcome="not_reported"}), as does one with
-	// another value (outcome "invalid", logged).
+	// parsed. It is read as the upstream sent it (or as a trailer), so
+	// that header -<name> around this handler keeps it from clients and
+	// not from the settlement. A response without it keeps its estimate
+	// (counted as settlements_total{outcome="not_reported"}), as does one
+	// with another value (outcome "invalid", logged).
 	Header string `json:"header,omitempty"`
 	// IncludeUsage makes OpenAI-style streams report their usage: a request
 	// with "stream": true that does not ask for usage reaches the upstream
@@ -79,6 +81,11 @@ type usageRecorder struct {
 	http.ResponseWriter
 	read        bool // read the usage: the response is settled
 	filterUsage bool // the body was sent with include_usage added
+	// usedHeader is settle.header, the response header with the usage;
+	// usedValue its value when the response's header was written, before
+	// the handlers this one runs inside change it (see finish).
+	usedHeader  string
+	usedValue   string
 	wroteHeader bool
 	code        int                   // the final status, from the first WriteHeader
 	errorObject bool                  // the body is the provider's error object (see finish)
@@ -94,6 +101,9 @@ func (rec *usageRecorder) WriteHeader(code int) {
 		rec.wroteHeader, rec.code = true, code
 		hdr := rec.Header()
 		ct, ce := hdr.Get("Content-Type"), strings.Join(hdr.Values("Content-Encoding"), ",")
+		if rec.usedHeader != "" {
+			rec.usedValue = hdr.Get(rec.usedHeader)
+		}
 		if rec.read {
 			rec.usage = llm.NewUsageReader(ct, ce)
 		}
@@ -169,7 +179,16 @@ func (rec *usageRecorder) finish(s *Settle) (used int64, status llm.Status, part
 		rec.filter = nil
 	}
 	if s.Header != "" {
-		v := strings.TrimSpace(rec.Header().Get(s.Header))
+		// The value the upstream sent with the status: the header map is
+		// shared with the handlers this one runs inside, and a deferred
+		// header operation of theirs (header -X-Tokens-Used, run before
+		// token_bucket in Caddy's order, to keep the count from clients)
+		// takes the field out as the status is written. Else the value
+		// now: a trailer of that name, which comes after the body.
+		v := strings.TrimSpace(rec.usedValue)
+		if v == "" {
+			v = strings.TrimSpace(rec.Header().Get(s.Header))
+		}
 		if v == "" {
 			return 0, llm.NotReported, false
 		}
@@ -209,7 +228,7 @@ func (h *Handler) serveNext(x *exchange, v *verdict, next caddyhttp.Handler) err
 	switch {
 	case h.Settle != nil && v.decided && v.req.hasTokens() && !x.est.noInference:
 		// With settle.header the body is not read for usage.
-		rec := &usageRecorder{ResponseWriter: x.w, read: h.Settle.Header == "", filterUsage: x.est.streamUsage}
+		rec := &usageRecorder{ResponseWriter: x.w, read: h.Settle.Header == "", filterUsage: x.est.streamUsage, usedHeader: h.Settle.Header}
 		defer h.settle(x.r, x.repl, v, rec)
 		return next.ServeHTTP(rec, x.r)
 	case x.est.streamUsage:
