@@ -78,16 +78,21 @@
 //	summary, tool_calls,       OpenAI role "tool" message's content, an
 //	outputs, queries,          Anthropic tool_result's content and a
 //	commands, command,         compaction block's tool_changes, a Responses
-//	tool_changes               function_call_output's output, an assistant
+//	tool_changes, lines        function_call_output's output, an assistant
 //	                           message's tool_calls, a reasoning item's
 //	                           summary and content, a
 //	                           code_interpreter_call's outputs, a
 //	                           file_search_call's queries, a shell_call's
-//	                           commands and a local_shell_call's command);
+//	                           commands and a local_shell_call's command,
+//	                           an Anthropic text editor edit's lines);
 //	                           but an object output is read as a part (a
 //	                           Responses computer_call_output's
 //	                           screenshot, one image part: its data URL is
-//	                           not read)
+//	                           not read), and so is a block's object
+//	                           content (an Anthropic server tool result's:
+//	                           a web_fetch_result, whose document of a PDF
+//	                           is one media part, not its base64 as text;
+//	                           a code execution or text editor result)
 //	tools, tool                its raw JSON text (an mcp_list_tools item's
 //	                           tool definitions, an Anthropic
 //	                           tool_addition's tool)
@@ -96,15 +101,17 @@
 //	thinking, code, logs,      Anthropic tool_use's input object, a
 //	stdout, stderr, diff,      custom_tool_call's input string), the names
 //	title, context, query,     of messages, tools and functions called
-//	pattern, reason, error     (short: they count as any text, which is
-//	                           never low), a code_interpreter_call's code
+//	pattern, reason, error,    (short: they count as any text, which is
+//	error_message              never low), a code_interpreter_call's code
 //	                           and its logs, a shell_call_output's stdout
-//	                           and stderr, an apply_patch_call's diff, the
+//	                           and stderr (and an Anthropic code execution
+//	                           result's), an apply_patch_call's diff, the
 //	                           title and context of an Anthropic document
 //	                           or search result, a web_search_call
 //	                           action's query or find pattern, an
 //	                           mcp_approval_response's reason, an
-//	                           mcp_call's or mcp_list_tools item's error
+//	                           mcp_call's or mcp_list_tools item's error,
+//	                           an Anthropic text editor error's message
 //	action, actions,           an object read as a message, so that only
 //	operation                  its text counts (a shell_call's or
 //	                           local_shell_call's action, an
@@ -142,7 +149,10 @@
 // local_shell_call, local_shell_call_output, apply_patch_call,
 // apply_patch_call_output, mcp_call, mcp_approval_request,
 // mcp_approval_response, mcp_list_tools, search_result, program,
-// program_output, tool_addition, tool_removal), or has neither a
+// program_output, tool_addition, tool_removal, web_fetch_tool_result,
+// web_fetch_result, code_execution_tool_result, code_execution_result,
+// bash_code_execution_tool_result, bash_code_execution_result and the
+// text_editor_code_execution results and error), or has neither a
 // type nor any of the members above nor a role; but not when it has a
 // "source" and all its sources are plain-text or content sources. So
 // image_url, input_image, image, input_audio, file, input_file,

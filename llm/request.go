@@ -686,8 +686,20 @@ func (p *parser) part(message bool) error {
 			} else {
 				err = p.content()
 			}
-		case "text", "content", "summary", "tool_calls", "outputs", "queries",
-			"commands", "command", "tool_changes":
+		case "content":
+			// A block's content object is a part (an Anthropic server
+			// tool result's content: a web_fetch_result and its
+			// document, whose base64 PDF is one media part, not text; a
+			// code execution or text editor result or error); a
+			// message's, which no provider takes, its JSON text.
+			known = true
+			if !message && p.dec.PeekKind() == '{' {
+				err = p.part(false)
+			} else {
+				err = p.content()
+			}
+		case "text", "summary", "tool_calls", "outputs", "queries",
+			"commands", "command", "tool_changes", "lines":
 			known = true
 			err = p.content()
 		case "tools", "tool":
@@ -698,7 +710,7 @@ func (p *parser) part(message bool) error {
 			err = p.jsonText()
 		case "input", "arguments", "name", "refusal", "thinking", "code", "logs",
 			"stdout", "stderr", "diff", "title", "context", "query", "pattern",
-			"reason", "error":
+			"reason", "error", "error_message":
 			known = true
 			err = p.strOrJSON()
 		case "results":
@@ -874,7 +886,13 @@ func textType(t []byte) bool {
 		"shell_call", "shell_call_output", "local_shell_call", "local_shell_call_output",
 		"apply_patch_call", "apply_patch_call_output",
 		"mcp_call", "mcp_approval_request", "mcp_approval_response", "mcp_list_tools", "search_result",
-		"program", "program_output", "tool_addition", "tool_removal":
+		"program", "program_output", "tool_addition", "tool_removal",
+		"web_fetch_tool_result", "web_fetch_result",
+		"code_execution_tool_result", "code_execution_result",
+		"bash_code_execution_tool_result", "bash_code_execution_result",
+		"text_editor_code_execution_tool_result", "text_editor_code_execution_view_result",
+		"text_editor_code_execution_create_result", "text_editor_code_execution_str_replace_result",
+		"text_editor_code_execution_tool_result_error":
 		return true
 	}
 	return false

@@ -139,6 +139,32 @@ func TestParseRequestApprox(t *testing.T) {
 		// cites; no media part.
 		{"anthropic_search_result", `{"messages":[{"role":"user","content":[{"type":"search_result",` +
 			`"source":"https://example.com/a","title":"A buckets","content":[{"type":"text","text":"A token bucket refills."}]}]}]}`, 6 + 3 + 6, -1},
+		// An Anthropic web fetch result, which the client sends back: its
+		// document is a PDF, one media part, however long its base64 (it
+		// used to count as JSON text: 1,000 tokens here), beside its title
+		// (7 bytes: 2); or plain text, its text (8 bytes: 2).
+		{"anthropic_web_fetch_pdf", `{"messages":[{"role":"assistant","content":[{"type":"web_fetch_tool_result","tool_use_id":"srvtoolu_1",` +
+			`"content":{"type":"web_fetch_result","url":"https://example.com/a.pdf","retrieved_at":"2026-11-30T10:00:00Z",` +
+			`"content":{"type":"document","title":"A paper","source":{"type":"base64","media_type":"application/pdf","data":"` +
+			strings.Repeat("JVBE", 1000) + `"}}}}]}]}`, 85 + 2, -1},
+		{"anthropic_web_fetch_text", `{"messages":[{"role":"assistant","content":[{"type":"web_fetch_tool_result","tool_use_id":"srvtoolu_1",` +
+			`"content":{"type":"web_fetch_result","url":"https://example.com/a",` +
+			`"content":{"type":"document","source":{"type":"text","media_type":"text/plain","data":"abcdefgh"}}}}]}]}`, 2, -1},
+		{"anthropic_web_fetch_error", `{"messages":[{"role":"assistant","content":[{"type":"web_fetch_tool_result","tool_use_id":"srvtoolu_1",` +
+			`"content":{"type":"web_fetch_tool_result_error","error_code":"url_not_accessible"}}]}]}`, 85, -1},
+		// Code execution and text editor results: their output, an edit's
+		// lines (4 + 4 bytes), an error's message (12 bytes: 3), the view
+		// of a file (8 bytes: 2); an output file is one media part.
+		{"anthropic_code_execution_results", `{"messages":[{"role":"assistant","content":[` +
+			`{"type":"bash_code_execution_tool_result","tool_use_id":"srvtoolu_1","content":{"type":"bash_code_execution_result",` +
+			`"stdout":"abcd","stderr":"ef","return_code":0,"content":[{"type":"bash_code_execution_output","file_id":"file_1"}]}},` +
+			`{"type":"text_editor_code_execution_tool_result","tool_use_id":"srvtoolu_2","content":` +
+			`{"type":"text_editor_code_execution_str_replace_result","lines":["abcd","efgh"],"new_lines":2,"new_start":1,"old_lines":1,"old_start":1}},` +
+			`{"type":"text_editor_code_execution_tool_result","tool_use_id":"srvtoolu_3","content":` +
+			`{"type":"text_editor_code_execution_tool_result_error","error_code":"unavailable","error_message":"out of space"}},` +
+			`{"type":"text_editor_code_execution_tool_result","tool_use_id":"srvtoolu_4","content":` +
+			`{"type":"text_editor_code_execution_view_result","content":"abcdefgh","file_type":"text","num_lines":1}}]}]}`,
+			1 + 1 + 85 + 1 + 1 + 3 + 2, -1},
 		// A tool added mid-conversation (a system message's or a
 		// compaction's tool_changes) is a definition the model reads: its
 		// JSON text, as the request's own tools; a removal, its reference.
