@@ -60,9 +60,11 @@
 //	                           the body is invalid), each read as a part
 //	                           that never counts MediaPartTokens itself
 //	tools, functions,          the raw JSON text of the value: function and
-//	response_format            tool definitions, JSON schemas
-//	text                       its "format" member, as raw JSON text (the
-//	                           Responses API structured output schema)
+//	response_format,           tool definitions, JSON schemas (Anthropic's
+//	output_format              beta structured output format)
+//	text, output_config        its "format" member, as raw JSON text (the
+//	                           Responses API's and Anthropic's structured
+//	                           output schema)
 //
 // A content value is one text when it is a string, its items when it is
 // an array, nothing when it is null, and its raw JSON text otherwise. An

@@ -280,9 +280,13 @@ func (p *parser) parse() (Request, error) {
 			}
 		case "system", "input", "instructions", "suffix":
 			err = p.content()
-		case "tools", "functions", "response_format":
+		case "tools", "functions", "response_format", "output_format":
 			err = p.jsonText()
-		case "text":
+		case "text", "output_config":
+			// The Responses API's text.format, Anthropic's
+			// output_config.format (output_format in its beta): a
+			// structured output's schema, counted as OpenAI counts
+			// response_format's.
 			err = p.textOptions()
 		default:
 			if m := foldsTo(name, topLevelNames); m != nil {
@@ -331,7 +335,7 @@ func (p *parser) parse() (Request, error) {
 var topLevelNames = namesOf("model", "stream", "stream_options", "max_tokens",
 	"max_completion_tokens", "max_output_tokens", "n", "best_of", "messages",
 	"system", "prompt", "input", "instructions", "suffix", "tools",
-	"functions", "response_format", "text")
+	"functions", "response_format", "text", "output_config", "output_format")
 
 // includeUsage is the member of stream_options the estimate reads.
 var includeUsage = namesOf("include_usage")
@@ -354,7 +358,7 @@ func foldsTo(name []byte, names [][]byte) []byte {
 	if len(name) == 0 {
 		return nil
 	}
-	if c := name[0]; c < utf8.RuneSelf && !strings.ContainsRune("bfimnprstBFIMNPRST", rune(c)) {
+	if c := name[0]; c < utf8.RuneSelf && !strings.ContainsRune("bfimnoprstBFIMNOPRST", rune(c)) {
 		return nil
 	}
 	for _, n := range names {

@@ -21,8 +21,10 @@ const (
 		`"properties":{"answer":{"type":"string"}},"required":["answer"]}}}`
 	textFormat = `{"type":"json_schema","name":"answer","schema":{"type":"object","properties":{}}}`
 	toolInput  = `{"city":"Paris"}`
-	mcpTools   = `[{"name":"lookup","description":"Looks a word up in the glossary.","input_schema":{"type":"object"}}]`
-	mcpError   = `{"type":"http_error","code":500,"message":"boom"}`
+	// Anthropic's JSONOutputFormat.
+	jsonSchemaFormat = `{"type":"json_schema","schema":{"type":"object","properties":{"answer":{"type":"string"}}}}`
+	mcpTools         = `[{"name":"lookup","description":"Looks a word up in the glossary.","input_schema":{"type":"object"}}]`
+	mcpError         = `{"type":"http_error","code":500,"message":"boom"}`
 	// An Anthropic tool_addition's tool, and a tool_removal's.
 	toolAddition  = `{"type":"tool_definition","definition":{"name":"lookup","description":"Looks a word up.","input_schema":{"type":"object"}}}`
 	toolReference = `{"type":"tool_reference","name":"old"}`
@@ -139,6 +141,14 @@ func TestParseRequestApprox(t *testing.T) {
 		// cites; no media part.
 		{"anthropic_search_result", `{"messages":[{"role":"user","content":[{"type":"search_result",` +
 			`"source":"https://example.com/a","title":"A buckets","content":[{"type":"text","text":"A token bucket refills."}]}]}]}`, 6 + 3 + 6, -1},
+		// Anthropic's structured output schema (output_config.format, the
+		// beta's output_format) counts as JSON text, as OpenAI's
+		// response_format; output_config's effort counts nothing.
+		{"anthropic_output_config_format", `{"messages":[{"role":"user","content":"abcd"}],"max_tokens":50,` +
+			`"output_config":{"effort":"high","format":` + jsonSchemaFormat + `}}`, 1 + ap(jsonSchemaFormat), 50},
+		{"anthropic_beta_output_format", `{"messages":[{"role":"user","content":"abcd"}],"output_format":` + jsonSchemaFormat + `}`,
+			1 + ap(jsonSchemaFormat), -1},
+		{"output_config_in_another_case", `{"Output_Config":{}}`, -1, 0},
 		// An Anthropic web fetch result, which the client sends back: its
 		// document is a PDF, one media part, however long its base64 (it
 		// used to count as JSON text: 1,000 tokens here), beside its title
