@@ -124,10 +124,10 @@ type tokenEstimate struct {
 	streamUsage bool   // stream_options.include_usage was added to the body
 	model       string // the body's model, "" when it has none
 	// noInference: the request runs no model. It has no body (a list, a
-	// read-back of a stored response or batch, a cancel), or it counts
-	// tokens (see countsTokens). It costs 0 tokens, and usage in its answer
-	// (a stored response's, read back) is not its own, so it is not
-	// settled.
+	// read-back of a stored response or batch, a cancel; but see
+	// runsWithoutBody), or it counts tokens (see countsTokens). It costs 0
+	// tokens, and usage in its answer (a stored response's, read back) is
+	// not its own, so it is not settled.
 	noInference bool
 	// read: the whole body was read (and is given to the next handler from
 	// memory).
@@ -153,17 +153,16 @@ func (e tokenEstimate) cost(capacity int64) int64 {
 // streamUsage (settle { include_usage }), an OpenAI chat or completions
 // stream (see includesUsage) that does not ask for its usage is sent on
 // with stream_options.include_usage added. A request without a body (see
-// noContent), a token count (see countsTokens), a stored object (see
-// storesObjects) and an upload's form (see uploads, formBody) are 0
-// tokens; a model call sent as a form is estimated from it (see formCall,
-// formCallEstimate). A body
-// that cannot be read is errInvalidBody, or, with on_invalid <cost>, an
-// estimate of that cost with no completion budget; a body that does not
-// arrive in time is errBodyTimeout, one over request_body's max_size
-// errBodyTooLarge.
+// noContent, noBody), a token count (see countsTokens), a stored object
+// (see storesObjects) and an upload's form (see uploads,
+// formBody) are 0 tokens; a model call sent as a form is estimated from
+// it (see formCall, formCallEstimate). A body that cannot be read is
+// errInvalidBody, or, with on_invalid <cost>, an estimate of that cost
+// with no completion budget; a body that does not arrive in time is
+// errBodyTimeout, one over request_body's max_size errBodyTooLarge.
 func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage bool) (tokenEstimate, error) {
 	if noContent(r) {
-		return tokenEstimate{noInference: true}, nil
+		return e.noBody(r, false), nil
 	}
 	body, err := e.readBody(w, r)
 	if err == errBodyTimeout || err == errBodyTooLarge || err == errClientGone {
@@ -172,7 +171,7 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 	if err == nil && len(body) == 0 {
 		// No body after all, where none was declared (HTTP/3, whose
 		// requests give no Content-Length; an empty chunked body).
-		return tokenEstimate{noInference: true, read: true}, nil
+		return e.noBody(r, true), nil
 	}
 	read := err == nil
 	// The path as the upstream may read it: a server or proxy in front
@@ -269,6 +268,36 @@ func cleanPath(p string) string {
 // without a body is the upstream's to refuse).
 func noContent(r *http.Request) bool {
 	return r.ContentLength == 0 // -1: chunked, or an HTTP/2 stream left open
+}
+
+// noBody is the estimate of a request without a body (see noContent): 0
+// tokens and not settled, except a POST that starts an agent without a
+// body (see runsWithoutBody), which is charged default_max_tokens and
+// settled from the usage its answer reports (none: the charge stays), as
+// a session that starts with a body is. read is whether the (empty) body
+// was read.
+func (e *Estimate) noBody(r *http.Request, read bool) tokenEstimate {
+	if r.Method == http.MethodPost && (runsWithoutBody(r.URL.Path) || runsWithoutBody(cleanPath(r.URL.Path))) {
+		return tokenEstimate{completion: e.DefaultMaxTokens, read: read}
+	}
+	return tokenEstimate{noInference: true, read: read}
+}
+
+// runsWithoutBody reports whether a POST without a body to path runs a
+// model: an agent deployment's run (Anthropic's beta.deployments.run,
+// "Run Deployment Now": /deployments/<id>/run) or an automation's manual
+// delivery (OpenAI's beta.agents.automations.invocations.create:
+// /automations/<id>/invocations), each of which starts the agent's
+// session at once. Segments are matched in any case, and either reading
+// of the path (as it came, cleaned) is enough: the rule only charges. A
+// trailing slash is ignored.
+func runsWithoutBody(path string) bool {
+	var last [3]string // the last three segments, the last one last
+	for seg := range strings.SplitSeq(strings.TrimRight(path, "/"), "/") {
+		last = [3]string{last[1], last[2], seg}
+	}
+	return strings.EqualFold(last[0], "deployments") && strings.EqualFold(last[2], "run") ||
+		strings.EqualFold(last[0], "automations") && strings.EqualFold(last[2], "invocations")
 }
 
 // completes reports whether a request to path generates a completion,

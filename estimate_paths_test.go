@@ -215,3 +215,49 @@ func TestEstimateFormModelCalls(t *testing.T) {
 		t.Errorf("a form over max_body: estimate %+v, %v; want errInvalidBody", est, err)
 	}
 }
+
+// TestEstimateBodylessAgentRuns: a POST without a body that starts an
+// agent (Anthropic's beta.deployments.run, OpenAI's
+// beta.agents.automations.invocations.create) is charged
+// default_max_tokens and settled, not free as a bodyless cancel or pause
+// is: the SDKs send these with Content-Length 0 (or an empty chunked
+// body), and the agent runs at once. A GET there (a list of invocations)
+// stays free.
+func TestEstimateBodylessAgentRuns(t *testing.T) {
+	e := &Estimate{}
+	if err := e.provision(); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		method, path string
+		chunked      bool
+		want         int64 // -1: 0 tokens and not settled
+	}{
+		{http.MethodPost, "/v1/deployments/depl_abc/run", false, 1024},
+		{http.MethodPost, "/v1/deployments/depl_abc/run/", false, 1024},
+		{http.MethodPost, "/v1/deployments/depl_abc/RUN", false, 1024},
+		{http.MethodPost, "/anthropic/v1/deployments/depl_abc/run", true, 1024},
+		{http.MethodPost, "/v1/agents/automations/auto_abc/invocations", false, 1024},
+		{http.MethodPost, "/v1/agents/automations/auto_abc/invocations", true, 1024},
+		{http.MethodGet, "/v1/agents/automations/auto_abc/invocations", false, -1},
+		{http.MethodPost, "/v1/deployments/depl_abc/pause", false, -1},
+		{http.MethodPost, "/v1/agents/automations/auto_abc/resume", false, -1},
+		{http.MethodPost, "/v1/responses/resp_abc/cancel", false, -1},
+		{http.MethodPost, "/v1/sessions/sesn_abc/archive", true, -1},
+	} {
+		req := httptest.NewRequest(tc.method, tc.path, nil)
+		if tc.chunked {
+			req.Body, req.ContentLength = io.NopCloser(strings.NewReader("")), -1
+		}
+		est, err := e.estimate(httptest.NewRecorder(), req, false)
+		got := est.prompt + est.completion
+		switch {
+		case err != nil:
+			t.Errorf("%s %s: %v", tc.method, tc.path, err)
+		case tc.want < 0 && (got != 0 || !est.noInference):
+			t.Errorf("%s %s: estimate %d, not settled %v; want 0 and not settled", tc.method, tc.path, got, est.noInference)
+		case tc.want >= 0 && (got != tc.want || est.noInference):
+			t.Errorf("%s %s: estimate %d, not settled %v; want %d and settled", tc.method, tc.path, got, est.noInference, tc.want)
+		}
+	}
+}
