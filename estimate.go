@@ -125,9 +125,10 @@ type tokenEstimate struct {
 	model       string // the body's model, "" when it has none
 	// noInference: the request runs no model. It has no body (a list, a
 	// read-back of a stored response or batch, a cancel; but see
-	// runsWithoutBody), or it counts tokens (see countsTokens). It costs 0
-	// tokens, and usage in its answer (a stored response's, read back) is
-	// not its own, so it is not settled.
+	// runsWithoutBody), counts tokens (see countsTokens) or stores an
+	// object (see storesObjects). It costs 0 tokens, and usage in its
+	// answer (a stored response's, read back) is not its own, so it is not
+	// settled.
 	noInference bool
 	// read: the whole body was read (and is given to the next handler from
 	// memory).
@@ -314,48 +315,58 @@ func completes(path string) bool {
 // job, an assistant, a thread or its messages (but not a run: a path with
 // a "runs" segment), a conversation or its items, an eval, a container,
 // a stored chat completion's metadata (/chat/completions/<id>), a skill,
-// a ChatKit session, a Realtime client secret (its session runs
-// elsewhere), or a Realtime call's hangup, refer or reject (but not its
-// accept, which starts the model on the call): the SDKs' uploads,
-// vectorStores, fineTuning.jobs, beta.assistants, beta.threads,
-// conversations, evals, containers, chat.completions.update, skills,
-// beta.chatkit.sessions, realtime.clientSecrets,
-// realtime.translations.clientSecrets and realtime.calls. Their answers
-// report no usage, so an estimate charged to them would never be given
-// back. A trailing slash is ignored.
+// a ChatKit session, a voice consent's metadata, a Realtime client secret
+// or beta session (/realtime/client_secrets, /realtime/sessions,
+// /realtime/transcription_sessions: an ephemeral key, whose session runs
+// elsewhere), or a Realtime call's or a Live session's hangup, refer or
+// reject (but not its accept or a Live session's fork, which start the
+// model): the SDKs' uploads, vectorStores, fineTuning.jobs,
+// beta.assistants, beta.threads, conversations, evals, containers,
+// chat.completions.update, skills, beta.chatkit.sessions,
+// audio.voiceConsents.update, realtime.clientSecrets,
+// realtime.translations.clientSecrets, beta.realtime.sessions,
+// beta.realtime.transcriptionSessions, realtime.calls and live.sessions.
+// Their answers report no usage, so an estimate charged to them would
+// never be given back. A trailing slash is ignored.
 func storesObjects(path string) bool {
-	stored, threads, runs, realtime := false, false, false, false
+	stored, threads, runs, realtime, live := false, false, false, false, false
 	var last [3]string // the last three segments, the last one last
 	for seg := range strings.SplitSeq(strings.TrimRight(path, "/"), "/") {
 		switch seg {
 		case "uploads", "vector_stores", "fine_tuning", "assistants", "conversations", "evals", "containers",
-			"skills", "chatkit":
+			"skills", "chatkit", "voice_consents":
 			stored = true
 		case "threads":
 			threads = true
 		case "realtime":
 			realtime = true
+		case "live":
+			live = true
 		default:
-			// A run samples a model: a thread's run, an eval's run
-			// (evals.runs.create), a grader's run
-			// (fineTuning.alpha.graders.run), also in another case or
-			// with path parameters (ASP.NET Core and Fiber route
-			// case-insensitively, Java servlet containers drop
-			// ";params"); a segment after deployments or engines names a
-			// model (an Azure deployment, LiteLLM's /engines/<model>,
-			// which takes the path's model), whatever its name: such a
-			// path is never free.
-			name, _, _ := strings.Cut(seg, ";")
-			if strings.EqualFold(name, "runs") || strings.EqualFold(name, "run") ||
-				strings.EqualFold(name, "deployments") || strings.EqualFold(name, "engines") {
-				runs = true
-			}
+			runs = runs || runOrModel(seg)
 		}
 		last = [3]string{last[1], last[2], seg}
 	}
+	hangup := last[2] == "hangup" || last[2] == "refer" || last[2] == "reject"
 	secretOrCall := realtime && (last[2] == "client_secrets" ||
-		last[0] == "calls" && (last[2] == "hangup" || last[2] == "refer" || last[2] == "reject"))
+		last[1] == "realtime" && (last[2] == "sessions" || last[2] == "transcription_sessions") ||
+		last[0] == "calls" && hangup) ||
+		live && last[0] == "sessions" && hangup
 	return !runs && (stored || threads || secretOrCall || last[0] == "chat" && last[1] == "completions" && last[2] != "")
+}
+
+// runOrModel reports whether a path segment makes its path never free.
+// A run samples a model: a thread's run, an eval's run
+// (evals.runs.create), a grader's run (fineTuning.alpha.graders.run),
+// also in another case or with path parameters (ASP.NET Core and Fiber
+// route case-insensitively, Java servlet containers drop ";params"); a
+// segment after deployments or engines names a model (an Azure
+// deployment, LiteLLM's /engines/<model>, which takes the path's model),
+// whatever its name.
+func runOrModel(seg string) bool {
+	name, _, _ := strings.Cut(seg, ";")
+	return strings.EqualFold(name, "runs") || strings.EqualFold(name, "run") ||
+		strings.EqualFold(name, "deployments") || strings.EqualFold(name, "engines")
 }
 
 // endsIn reports whether path, less a trailing slash, ends in one of

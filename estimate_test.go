@@ -484,6 +484,18 @@ func TestEstimateStoredObjects(t *testing.T) {
 		{"realtime_call_refer", "/v1/realtime/calls/rtc_abc/refer", `{"target_uri":"tel:+14155550123"}`, -1},
 		{"realtime_call_reject", "/v1/realtime/calls/rtc_abc/reject", `{"status_code":486}`, -1},
 		{"realtime_call_accept", "/v1/realtime/calls/rtc_abc/accept", `{"type":"realtime","model":"gpt-realtime","instructions":` + text + `}`, 11 + 1024},
+		// A beta Realtime session or transcription session is an ephemeral
+		// key too; a voice consent's update is metadata; a Live session's
+		// refer and reject answer a SIP call without the model, its accept
+		// and fork start it.
+		{"realtime_beta_session", "/v1/realtime/sessions", `{"model":"gpt-4o-realtime-preview","instructions":` + text + `}`, -1},
+		{"realtime_beta_transcription_session", "/v1/realtime/transcription_sessions", `{"input_audio_format":"pcm16"}`, -1},
+		{"voice_consent_update", "/v1/audio/voice_consents/cons_abc", `{"name":"Ana"}`, -1},
+		{"live_session_refer", "/v1/live/sessions/ls_abc/refer", `{"target_uri":"tel:+14155550123"}`, -1},
+		{"live_session_reject", "/v1/live/sessions/ls_abc/reject", `{"status_code":486}`, -1},
+		{"live_session_accept", "/v1/live/sessions/ls_abc/accept", `{"type":"live","model":"gpt-live","instructions":` + text + `}`, 11 + 1024},
+		{"live_session_fork", "/v1/live/sessions/ls_abc/fork", `{"sdp":"v=0"}`, 1024},
+		{"live_session", "/v1/live/sessions", `{"model":"gpt-live","instructions":` + text + `}`, 11 + 1024},
 		{"azure_deployment", "/openai/deployments/gpt-4o/chat/completions", `{"messages":[{"role":"user","content":""}]}`, 1024},
 		{"batch", "/v1/batches", `{"input_file_id":"file-abc","endpoint":"/v1/chat/completions","completion_window":"24h"}`, 1024},
 		{"vertex_gemini", "/v1/projects/p/locations/l/publishers/google/models/gemini-2.5-flash:generateContent",
