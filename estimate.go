@@ -126,9 +126,9 @@ type tokenEstimate struct {
 	// noInference: the request runs no model. It has no body (a list, a
 	// read-back of a stored response or batch, a cancel; but see
 	// runsWithoutBody), counts tokens (see countsTokens) or stores an
-	// object (see storesObjects). It costs 0 tokens, and usage in its
-	// answer (a stored response's, read back) is not its own, so it is not
-	// settled.
+	// object (see storesObjects, configures). It costs 0 tokens, and usage
+	// in its answer (a stored response's, read back) is not its own, so it
+	// is not settled.
 	noInference bool
 	// read: the whole body was read (and is given to the next handler from
 	// memory).
@@ -155,7 +155,7 @@ func (e tokenEstimate) cost(capacity int64) int64 {
 // stream (see includesUsage) that does not ask for its usage is sent on
 // with stream_options.include_usage added. A request without a body (see
 // noContent, noBody), a token count (see countsTokens), a stored object
-// (see storesObjects) and an upload's form (see uploads,
+// (see storesObjects, configures) and an upload's form (see uploads,
 // formBody) are 0 tokens; a model call sent as a form is estimated from
 // it (see formCall, formCallEstimate). A body that cannot be read is
 // errInvalidBody, or, with on_invalid <cost>, an estimate of that cost
@@ -223,7 +223,7 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		est.read = read // a whole body priced on_invalid is in memory all the same
 		return est, err
 	}
-	if clean && (countsTokens(urlPath) || storesObjects(urlPath)) {
+	if clean && (countsTokens(urlPath) || storesObjects(urlPath) || configures(urlPath)) {
 		return tokenEstimate{model: req.Model, noInference: true, read: true}, nil
 	}
 	defaultMax := e.DefaultMaxTokens
@@ -367,6 +367,82 @@ func runOrModel(seg string) bool {
 	name, _, _ := strings.Cut(seg, ";")
 	return strings.EqualFold(name, "runs") || strings.EqualFold(name, "run") ||
 		strings.EqualFold(name, "deployments") || strings.EqualFold(name, "engines")
+}
+
+// configures reports whether a request to path creates or changes an
+// object of the providers' agent or account APIs, which runs no model,
+// named by the segment right after a "v1" segment (/v1/<name>/...,
+// /openai/v1/<name>/..., /anthropic/v1/<name>/...): OpenAI's and
+// Anthropic's organization administration (organization,
+// organizations), OpenAI's project roles (/projects/<id>/roles,
+// /projects/<id>/groups/<id>/roles, /projects/<id>/users/<id>/roles) and
+// webhook endpoints (webhook_endpoints), and the managed agents' stored
+// objects: vaults and their credentials, environments (and their work
+// items and files), memory stores, tunnels, user profiles, compliance
+// review cases, an agent's definition (/agents, /agents/<id>), an
+// automation's schedule (/agents/automations, /agents/automations/<id>:
+// saved "without invoking it"), an environment template, and a session's
+// settings (OpenAI's /agents/sessions/<id>, Anthropic's /sessions/<id>)
+// or resources (/sessions/<id>/resources). The SDKs'
+// admin.organization, beta.organization and organization, webhooks,
+// beta.vaults, beta.agents.vaults, beta.environments,
+// beta.agents.environments, beta.memoryStores, beta.tunnels,
+// userProfiles, beta.compliance, beta.agents (create, update),
+// beta.agents.automations (create, update), beta.agents.sessions.update,
+// beta.sessions.update and beta.sessions.resources. Their answers report
+// no usage. Not free: a session's creation or its events (a user
+// message starts the model, asynchronously: beta.sessions.create with
+// initial_events, beta.sessions.events.send, beta.agents.sessions.create
+// with input, beta.agents.sessions.events.create), a dream
+// (beta.dreams.create), and Anthropic's deployments (beta.deployments:
+// a path with a deployments segment names an Azure model). The anchor
+// after v1 keeps apart the generic names of other APIs: Bedrock's
+// InvokeInlineAgent (/agents/<session>, which LiteLLM's /bedrock pass-through
+// serves), Vertex AI's /v1/projects/<id>/locations/..., a Live session
+// (/v1/live/sessions). A path with a run, deployments or engines segment
+// (see runOrModel) is never free. A trailing slash is ignored.
+func configures(path string) bool {
+	var name string
+	var rest [5]string // the segments after name, at most five kept
+	n, prev := 0, ""
+	for seg := range strings.SplitSeq(strings.TrimRight(path, "/"), "/") {
+		if runOrModel(seg) {
+			return false
+		}
+		switch {
+		case name != "":
+			if n < len(rest) {
+				rest[n] = seg
+			}
+			n++
+		case prev == "v1" && seg != "":
+			name = seg
+		}
+		prev = seg
+	}
+	switch name {
+	case "organization", "organizations", "webhook_endpoints", "vaults", "environments", "memory_stores",
+		"tunnels", "user_profiles", "compliance":
+		return true
+	case "agents":
+		switch {
+		case n == 0: // an agent's creation
+			return true
+		case rest[0] == "sessions": // a session's settings, not its creation nor its events
+			return n == 2
+		case rest[0] == "automations": // an automation, not its invocations
+			return n <= 2
+		case rest[0] == "environments":
+			return true
+		}
+		return n == 1 // an agent's update
+	case "sessions":
+		return n == 1 || n >= 2 && n <= 3 && rest[1] == "resources"
+	case "projects":
+		return n == 2 && rest[1] == "roles" || n == 3 && rest[1] == "roles" ||
+			n == 4 && (rest[1] == "groups" || rest[1] == "users") && rest[3] == "roles"
+	}
+	return false
 }
 
 // endsIn reports whether path, less a trailing slash, ends in one of

@@ -261,3 +261,41 @@ func TestEstimateBodylessAgentRuns(t *testing.T) {
 		}
 	}
 }
+
+// TestEstimateAgentNamesOnlyAfterV1: the agent and account APIs' generic
+// names (agents, sessions, projects, environments, vaults) are free only
+// right after a v1 segment, in the SDKs' shapes: Bedrock's
+// InvokeInlineAgent (/agents/<session>, served by LiteLLM's /bedrock
+// pass-through), a Vertex AI model under /v1/projects, an Azure deployment
+// or a LiteLLM engine of such a name, and a session's creation or events
+// are estimated.
+func TestEstimateAgentNamesOnlyAfterV1(t *testing.T) {
+	e := &Estimate{}
+	if err := e.provision(); err != nil {
+		t.Fatal(err)
+	}
+	const chat = `{"messages":[{"role":"user","content":"abcd"}]}`
+	for _, p := range []string{
+		"/bedrock/agents/sess_abc",
+		"/bedrock/agents/agt_abc/agentAliases/al_abc/sessions/sess_abc/text",
+		"/v1/projects/p/locations/us-central1/publishers/google/models/gemini-2.5-flash:generateContent",
+		"/v1/projects/p/roles/../../chat/completions",
+		"/openai/deployments/vaults/chat/completions",
+		"/v1/engines/organizations/chat/completions",
+		"/v1/deployments/organizations",
+		"/v1/sessions",
+		"/v1/sessions/sesn_abc/events",
+		"/v1/agents/sessions",
+		"/v1/agents/sessions/sess_abc/events",
+		"/v1/agents/automations/auto_abc/invocations",
+		"/v1/live/sessions/ls_abc",
+		"/environments/prod/v1/chat/completions",
+		"/v1//vaults",
+	} {
+		req := httptest.NewRequest(http.MethodPost, p, strings.NewReader(chat))
+		est, err := e.estimate(httptest.NewRecorder(), req, false)
+		if got := est.prompt + est.completion; err != nil || got != 1+1024 || est.noInference {
+			t.Errorf("%s: estimate %d, not settled %v, %v; want %d and settled", p, got, est.noInference, err, 1+1024)
+		}
+	}
+}

@@ -427,8 +427,9 @@ func TestOversizedFormThatNeverComesTimesOut(t *testing.T) {
 }
 
 // TestEstimateStoredObjects: a JSON POST that creates or changes a stored
-// object of OpenAI's API runs no model and its answer reports no usage: it
-// costs 0 tokens and is not settled (see storesObjects), whatever its body
+// object of OpenAI's API, or an object of the agent and account APIs,
+// runs no model and its answer reports no usage: it costs 0 tokens and is
+// not settled (see storesObjects, configures), whatever its body
 // (a model, instructions, messages). A request that runs a model is
 // estimated as always, whatever its path: a run, a chat completion, a
 // batch, another API's path.
@@ -496,6 +497,45 @@ func TestEstimateStoredObjects(t *testing.T) {
 		{"live_session_accept", "/v1/live/sessions/ls_abc/accept", `{"type":"live","model":"gpt-live","instructions":` + text + `}`, 11 + 1024},
 		{"live_session_fork", "/v1/live/sessions/ls_abc/fork", `{"sdp":"v=0"}`, 1024},
 		{"live_session", "/v1/live/sessions", `{"model":"gpt-live","instructions":` + text + `}`, 11 + 1024},
+		// The agent and account APIs' objects, right after /v1: an agent's
+		// definition, an automation's schedule, an environment, a vault, a
+		// session's settings and resources, a memory store, a tunnel, a
+		// user profile, a compliance case's answer, webhooks, organization
+		// and project administration (OpenAI's and Anthropic's SDKs).
+		{"openai_agent", "/v1/agents", `{"name":"support","model":"gpt-5","instructions":` + text + `}`, -1},
+		{"openai_agent_update", "/v1/agents/agent_abc", `{"instructions":` + text + `}`, -1},
+		{"openai_automation", "/v1/agents/automations", `{"name":"daily","expression":"0 9 * * *","agent_id":"agent_abc","input":` + text + `}`, -1},
+		{"openai_automation_update", "/v1/agents/automations/auto_abc", `{"name":"weekly"}`, -1},
+		{"openai_environment", "/v1/agents/environments", `{"type":"hosted"}`, -1},
+		{"openai_environment_template", "/v1/agents/environments/templates/tmpl_abc", `{"name":"base"}`, -1},
+		{"openai_environment_file", "/v1/agents/environments/env_abc/files", `{"path":"/a.txt","file_id":"file-abc"}`, -1},
+		{"openai_session_update", "/v1/agents/sessions/sess_abc", `{"metadata":{"k":"v"}}`, -1},
+		{"openai_vault_credential", "/v1/vaults/vault_abc/credentials", `{"name":"gh","secret":"x"}`, -1},
+		{"openai_webhook_endpoint", "/v1/webhook_endpoints", `{"url":"https://example.com/hook","event_types":["batch.completed"]}`, -1},
+		{"openai_admin_project", "/v1/organization/projects", `{"name":"p"}`, -1},
+		{"openai_admin_project_role", "/v1/projects/proj_abc/roles/role_abc", `{"role_name":"r"}`, -1},
+		{"openai_admin_project_user_role", "/v1/projects/proj_abc/users/user_abc/roles", `{"role_id":"role_abc"}`, -1},
+		{"anthropic_agent", "/v1/agents", `{"name":"support","model":"claude-sonnet-4-5","system":` + text + `}`, -1},
+		{"anthropic_environment_work", "/v1/environments/env_abc/work/work_abc/stop", `{"force":true}`, -1},
+		{"anthropic_memory", "/v1/memory_stores/ms_abc/memories", `{"path":"/notes.md","content":` + text + `}`, -1},
+		{"anthropic_session_update", "/v1/sessions/sesn_abc", `{"title":"t"}`, -1},
+		{"anthropic_session_resource", "/v1/sessions/sesn_abc/resources", `{"type":"file","file_id":"file_abc"}`, -1},
+		{"anthropic_tunnel", "/v1/tunnels", `{"name":"t"}`, -1},
+		{"anthropic_user_profile", "/v1/user_profiles/uprof_abc/action_urls", `{}`, -1},
+		{"anthropic_compliance_case", "/v1/compliance/review/cases/case_abc/respond", `{"conclusion":"ok"}`, -1},
+		{"anthropic_admin_workspace", "/v1/organizations/workspaces", `{"name":"w"}`, -1},
+		{"anthropic_admin_via_litellm", "/anthropic/v1/organizations/invites", `{"email":"a@example.com","role":"user"}`, -1},
+		// Sessions that start the model (a user message, at creation or as
+		// an event), a dream and Anthropic's deployments (a deployments
+		// segment names an Azure model) are estimated; a session's prompt
+		// is in fields the estimate reads only in part (input; not events
+		// or initial_events).
+		{"openai_session", "/v1/agents/sessions", `{"agent_id":"agent_abc","environment":{"type":"none"},"input":` + text + `}`, 11 + 1024},
+		{"openai_session_events", "/v1/agents/sessions/sess_abc/events", `{"events":[{"type":"message","content":` + text + `}]}`, 1024},
+		{"anthropic_session", "/v1/sessions", `{"agent":"agent_abc","environment_id":"env_abc","initial_events":[{"type":"user.message","content":[{"type":"text","text":` + text + `}]}]}`, 1024},
+		{"anthropic_session_events", "/v1/sessions/sesn_abc/events", `{"events":[{"type":"user.message","content":[{"type":"text","text":` + text + `}]}]}`, 1024},
+		{"anthropic_dream", "/v1/dreams", `{"memory_store_id":"ms_abc"}`, 1024},
+		{"anthropic_deployment", "/v1/deployments", `{"agent":{"id":"agent_abc","type":"agent"}}`, 1024},
 		{"azure_deployment", "/openai/deployments/gpt-4o/chat/completions", `{"messages":[{"role":"user","content":""}]}`, 1024},
 		{"batch", "/v1/batches", `{"input_file_id":"file-abc","endpoint":"/v1/chat/completions","completion_window":"24h"}`, 1024},
 		{"vertex_gemini", "/v1/projects/p/locations/l/publishers/google/models/gemini-2.5-flash:generateContent",
