@@ -1207,3 +1207,52 @@ func TestSDKFormModelCalls(t *testing.T) {
 		})
 	}
 }
+
+// TestSDKAgentCalls drives Anthropic's SDK through the gateway with
+// settlement on: beta.agents.create (an agent's definition, JSON, runs no
+// model) costs 0 tokens and leaves the bucket untouched; beta.deployments.run
+// (a POST without a body that starts the agent's session at once) is
+// charged default_max_tokens, which stays, since its answer reports no
+// usage. The gateway used to charge the definition 1024 for good and run
+// the deployment for nothing.
+func TestSDKAgentCalls(t *testing.T) {
+	const capacity = 100000
+	lg := sdkGateway(t, llmLimiter("user 100000 1/1h tokens", "cost estimate\n\t\t\tsettle"), sdkUsage)
+	keyer := bucket.NewKeyer("rl:", "")
+	for _, tc := range []struct {
+		name, scenario string
+		api            providertest.API
+		body           bool
+		cost           int64
+	}{
+		{"agent_create", "anthropic.agents.create", providertest.Agents, true, 0},
+		{"deployment_run", "anthropic.deployments.run", providertest.DeploymentRun, false, 1024},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			lg.t = t
+			user := "agent-" + tc.name
+			key := keyer.Key("user", user, "tokens")
+			c := runSDK(t, tc.scenario, lg.url, sdkOptions{Headers: map[string]string{"X-User": user}})[0]
+			if c.Error != nil || len(c.Attempts) != 1 || c.Attempts[0].Status != http.StatusOK {
+				t.Fatalf("the SDK threw %+v; attempts %+v; want one answered 200", c.Error, c.Attempts)
+			}
+			seen := lg.up.last(t)
+			if seen.API != tc.api || (len(seen.Body) > 0) != tc.body {
+				t.Fatalf("the upstream saw %s %s with %d bytes of body", seen.Method, seen.Path, len(seen.Body))
+			}
+			if got := estimatedCost(t, c.Attempts[0]); got != tc.cost {
+				t.Errorf("X-Estimated-Cost %d, want %d", got, tc.cost)
+			}
+			if tc.cost > 0 {
+				if got := storedTokens(t, lg.rdb, key); got != capacity-tc.cost {
+					t.Errorf("the tokens bucket holds %d, want %d", got, capacity-tc.cost)
+				}
+			} else if n, err := lg.rdb.Exists(context.Background(), key).Result(); err != nil || n != 0 && storedTokens(t, lg.rdb, key) != capacity {
+				t.Errorf("the tokens bucket was charged (exists %d, %v)", n, err)
+			}
+			if n := len(lg.markers(key)); n != 0 {
+				t.Errorf("%d settlements of a call whose answer reports no usage", n)
+			}
+		})
+	}
+}

@@ -150,6 +150,15 @@ const scenarios = {
     return { result: 'accepted' };
   },
 
+  // A managed agent's definition: JSON, runs no model.
+  'anthropic.agents.create': async () => ({
+    result: await anthropic().beta.agents.create(params({ name: 'support', model: 'claude-sonnet-4-5', system: 'Be brief and kind.' })),
+  }),
+
+  // Running a deployment now: a POST without a body that starts the
+  // agent's session.
+  'anthropic.deployments.run': async () => ({ result: await anthropic().beta.deployments.run('depl_test') }),
+
   'anthropic.messages': async () => ({ result: await anthropic().messages.create(params(claudeDefaults)) }),
 
   'anthropic.countTokens': async () => ({

@@ -51,6 +51,14 @@ const (
 	// realtime.calls.accept: a JSON session configuration), answered
 	// 200 with no body.
 	RealtimeAccept API = "realtime.calls.accept" // POST /v1/realtime/calls/rtc_test/accept
+	// Agents creates a managed agent's definition (Anthropic's
+	// beta.agents.create: JSON), answered with the agent, which reports no
+	// usage: it runs no model.
+	Agents API = "agents" // POST /v1/agents (Anthropic)
+	// DeploymentRun starts an agent deployment's session at once
+	// (Anthropic's beta.deployments.run: a POST without a body), answered
+	// with the run, which reports no usage.
+	DeploymentRun API = "deployments.run" // POST /v1/deployments/depl_test/run (Anthropic)
 )
 
 // apiOf maps a request path to its API; "" for a path the server does not
@@ -75,6 +83,10 @@ func apiOf(path string) API {
 		return RealtimeCalls
 	case "/v1/realtime/calls/rtc_test/accept":
 		return RealtimeAccept
+	case "/v1/agents":
+		return Agents
+	case "/v1/deployments/depl_test/run":
+		return DeploymentRun
 	}
 	return ""
 }
@@ -88,7 +100,9 @@ func (a API) method() string {
 }
 
 // Anthropic reports whether the API is Anthropic's (errors in its shape).
-func (a API) Anthropic() bool { return a == Messages || a == CountTokens }
+func (a API) Anthropic() bool {
+	return a == Messages || a == CountTokens || a == Agents || a == DeploymentRun
+}
 
 // Usage is the token usage an answer reports.
 //
@@ -378,6 +392,10 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 		a.json(http.StatusOK, modelsJSON())
 	case req.API == Videos || req.API == RealtimeCalls:
 		a.formCall()
+	case req.API == DeploymentRun:
+		a.json(http.StatusOK, mustJSON(map[string]string{
+			"id": "drun_test", "type": "deployment_run", "deployment_id": "depl_test", "session_id": "sesn_test",
+		}))
 	case !req.ValidJSON && !lenient:
 		msg := "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your HTTP library correctly. " +
 			"The OpenAI API expects a JSON payload, but what was sent was not valid JSON. If you have trouble figuring out how to fix this, please contact us through our help center at help.openai.com.)"
@@ -387,6 +405,8 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 		a.error(http.StatusBadRequest, "", "", msg)
 	case req.API == RealtimeAccept:
 		a.w.WriteHeader(http.StatusOK)
+	case req.API == Agents:
+		a.json(http.StatusOK, mustJSON(map[string]any{"id": "agent_test", "type": "agent", "version": 1}))
 	case rep.Status != 0 && rep.Status != http.StatusOK && rep.InStream && req.Stream && req.API == Messages:
 		a.stream([]event{{text: "event: error\ndata: " + string(anthropicError(rep.Status, rep.ErrorType, rep.ErrorMessage)) + "\n\n"}})
 	case rep.Status != 0 && rep.Status != http.StatusOK:
