@@ -435,7 +435,10 @@ func configures(path string) bool {
 		case rest[0] == "environments":
 			return true
 		}
-		return n == 1 // an agent's update
+		// An agent's update, but not Mistral's agents completion
+		// (/v1/agents/completions, its SDK's agents.complete), which runs
+		// the agent's model.
+		return n == 1 && rest[0] != "completions"
 	case "sessions":
 		return n == 1 || n >= 2 && n <= 3 && rest[1] == "resources"
 	case "projects":

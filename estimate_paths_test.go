@@ -267,8 +267,8 @@ func TestEstimateBodylessAgentRuns(t *testing.T) {
 // right after a v1 segment, in the SDKs' shapes: Bedrock's
 // InvokeInlineAgent (/agents/<session>, served by LiteLLM's /bedrock
 // pass-through), a Vertex AI model under /v1/projects, an Azure deployment
-// or a LiteLLM engine of such a name, and a session's creation or events
-// are estimated.
+// or a LiteLLM engine of such a name, Mistral's agents completion, and a
+// session's creation or events are estimated.
 func TestEstimateAgentNamesOnlyAfterV1(t *testing.T) {
 	e := &Estimate{}
 	if err := e.provision(); err != nil {
@@ -291,6 +291,7 @@ func TestEstimateAgentNamesOnlyAfterV1(t *testing.T) {
 		"/v1/live/sessions/ls_abc",
 		"/environments/prod/v1/chat/completions",
 		"/v1//vaults",
+		"/v1/agents/completions",
 	} {
 		req := httptest.NewRequest(http.MethodPost, p, strings.NewReader(chat))
 		est, err := e.estimate(httptest.NewRecorder(), req, false)
