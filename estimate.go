@@ -560,8 +560,11 @@ const maxFormParts = 64
 // budget alone. Their answers report no usage, so the estimate is what
 // the call is charged. ok is false, the body invalid, when it is no form
 // (nor an SDP offer), cannot be read, has more than maxFormParts parts,
-// or has two model or session fields (which the upstream's form parser
-// would read one way and the estimate another).
+// has two model or session fields, or has a part with two
+// Content-Disposition headers, one that does not parse or is not
+// form-data (which the upstream's form parser would read one way and the
+// estimate another). A model or session sent as a file is read as its
+// value.
 func (e *Estimate) formCallEstimate(r *http.Request, urlPath string, body []byte) (est tokenEstimate, ok bool) {
 	est = tokenEstimate{completion: e.DefaultMaxTokens, read: true}
 	mt, params, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
@@ -596,10 +599,31 @@ func (e *Estimate) formCallEstimate(r *http.Request, urlPath string, body []byte
 			if err != nil || n == maxFormParts {
 				return est, false
 			}
+			// A part's name as any form parser reads it: one
+			// Content-Disposition, form-data, whose parameters parse.
+			// Python's parsers (python-multipart, behind FastAPI and
+			// LiteLLM) take the last of two headers or of two name
+			// parameters, and read a name whatever the disposition,
+			// where FormName would read none: a session or a prompt
+			// hidden so would not be counted.
+			disp := p.Header.Values("Content-Disposition")
+			if len(disp) > 1 {
+				return est, false
+			}
+			if len(disp) == 1 {
+				if d, _, err := mime.ParseMediaType(disp[0]); err != nil || d != "form-data" {
+					return est, false
+				}
+			}
 			name, file := p.FormName(), p.FileName() != ""
 			var value []byte
-			if name == "prompt" || !file && (name == "model" || name == "session") {
-				value, _ = io.ReadAll(p) // from memory; a file's bytes are not copied
+			if name == "prompt" || name == "model" || name == "session" {
+				// From memory; a file's bytes are not copied. A model or
+				// a session sent as a file is read as its value, as a
+				// prompt is: a parser that takes a file's content for a
+				// field would run it.
+				value, _ = io.ReadAll(p)
+				file = file && name != "model" && name != "session"
 			}
 			field(name, value, file)
 		}

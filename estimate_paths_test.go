@@ -137,8 +137,11 @@ func TestEstimateModelNamesAndRunsInAnyCase(t *testing.T) {
 // offer) are estimated from their forms: the prompt fields' tokens, 85 per
 // file part, a Realtime session's instructions and tools, and the
 // session's budget or default_max_tokens. A bare SDP offer is the budget
-// alone. A form that cannot be read, or names its model or session twice,
-// is invalid, and so is a form to another path.
+// alone. A form that cannot be read, names its model or session twice,
+// or has a part whose name another form parser would read otherwise (two
+// name parameters, two Content-Disposition headers, another disposition),
+// is invalid, and so is a form to another path. A session or model sent
+// as a file is read as its value.
 func TestEstimateFormModelCalls(t *testing.T) {
 	e := &Estimate{}
 	if err := e.provision(); err != nil {
@@ -149,6 +152,9 @@ func TestEstimateFormModelCalls(t *testing.T) {
 			return "--b\r\nContent-Disposition: form-data; name=\"" + name + "\"; filename=\"" + filename + "\"\r\nContent-Type: image/png\r\n\r\n" + value + "\r\n"
 		}
 		return "--b\r\nContent-Disposition: form-data; name=\"" + name + "\"\r\n\r\n" + value + "\r\n"
+	}
+	raw := func(disposition, value string) string {
+		return "--b\r\nContent-Disposition: " + disposition + "\r\n\r\n" + value + "\r\n"
 	}
 	const multipartType = "multipart/form-data; boundary=b"
 	// 36 bytes: 9 tokens under approx.
@@ -177,7 +183,17 @@ func TestEstimateFormModelCalls(t *testing.T) {
 			part("sdp", "", "v=0\r\ns=-") + part("session", "", session) + "--b--\r\n", 5, 300, "gpt-realtime", false},
 		{"realtime_call_unlimited", "/v1/realtime/calls", multipartType,
 			part("sdp", "", "v=0\r\ns=-") + part("session", "", `{"type":"realtime","max_output_tokens":"inf"}`) + "--b--\r\n", 0, 1024, "", false},
+		{"session_as_a_file", "/v1/realtime/calls", multipartType,
+			part("sdp", "", "v=0\r\ns=-") + part("session", "s.json", session) + "--b--\r\n", 5, 300, "gpt-realtime", false},
 		{"model_twice", "/v1/videos", multipartType, part("model", "", "a") + part("model", "", "b") + "--b--\r\n", 0, 0, "", true},
+		// A name Go's FormName would not read, and Python's parsers would
+		// (the last name, the last header, any disposition): invalid.
+		{"name_twice", "/v1/realtime/calls", multipartType,
+			raw(`form-data; name="sdp"; name="session"`, session) + "--b--\r\n", 0, 0, "", true},
+		{"disposition_twice", "/v1/realtime/calls", multipartType,
+			raw("form-data; name=\"sdp\"\r\nContent-Disposition: form-data; name=\"session\"", session) + "--b--\r\n", 0, 0, "", true},
+		{"not_form_data", "/v1/realtime/calls", multipartType, raw(`attachment; name="session"`, session) + "--b--\r\n", 0, 0, "", true},
+		{"disposition_unparsable", "/v1/videos", multipartType, raw(`form-data; name=prompt; x`, prompt) + "--b--\r\n", 0, 0, "", true},
 		{"session_twice", "/v1/realtime/calls", multipartType, part("session", "", "{}") + part("session", "", "{}") + "--b--\r\n", 0, 0, "", true},
 		{"session_not_json", "/v1/realtime/calls", multipartType, part("session", "", "{") + "--b--\r\n", 0, 0, "", true},
 		{"unterminated_form", "/v1/videos", multipartType, part("prompt", "", prompt), 0, 0, "", true},
