@@ -90,11 +90,13 @@
 //	                           but an object output is read as a part (a
 //	                           Responses computer_call_output's
 //	                           screenshot, one image part: its data URL is
-//	                           not read), and so is a block's object
-//	                           content (an Anthropic server tool result's:
-//	                           a web_fetch_result, whose document of a PDF
-//	                           is one media part, not its base64 as text;
-//	                           a code execution or text editor result)
+//	                           not read), and so is the object content of
+//	                           an Anthropic server tool result whose type
+//	                           comes first (a web_fetch_result, whose
+//	                           document of a PDF is one media part, not its
+//	                           base64 as text; a code execution or text
+//	                           editor result); any other object content
+//	                           counts as its raw JSON text
 //	tools, tool                its raw JSON text (an mcp_list_tools item's
 //	                           tool definitions, an Anthropic
 //	                           tool_addition's tool)

@@ -666,7 +666,7 @@ func (p *parser) part(message bool) error {
 	if err := p.begin(); err != nil {
 		return err
 	}
-	var typed, media, known, image bool
+	var typed, media, known, image, serverResult bool
 	var textSource, mediaSource bool
 	mark := len(p.pending)
 	for p.dec.PeekKind() != '}' {
@@ -681,6 +681,7 @@ func (p *parser) part(message bool) error {
 			if t, err = p.typeName(); err == nil {
 				media = media || t == nil || !textType(t)
 				image = image || string(t) == "image_generation_call"
+				serverResult = serverResult || serverToolResult(t)
 			}
 		case "output":
 			known = true
@@ -691,13 +692,15 @@ func (p *parser) part(message bool) error {
 				err = p.content()
 			}
 		case "content":
-			// A block's content object is a part (an Anthropic server
-			// tool result's content: a web_fetch_result and its
-			// document, whose base64 PDF is one media part, not text; a
-			// code execution or text editor result or error); a
-			// message's, which no provider takes, its JSON text.
+			// The content object of an Anthropic server tool result
+			// whose type came first, as the API writes it, is a part: a
+			// web_fetch_result and its document, whose base64 PDF is one
+			// media part, not text; a code execution or text editor
+			// result or error. Any other content object, which the
+			// providers do not take, is its JSON text: its members are
+			// not known, and an upstream that takes it may read them all.
 			known = true
-			if !message && p.dec.PeekKind() == '{' {
+			if serverResult && p.dec.PeekKind() == '{' {
 				err = p.part(false)
 			} else {
 				err = p.content()
@@ -861,6 +864,18 @@ func (p *parser) action() error {
 		return p.end()
 	}
 	return p.skip()
+}
+
+// serverToolResult reports whether t is the type of an Anthropic server
+// tool result, or of a web fetch's result, whose object content is read
+// as a part (see part).
+func serverToolResult(t []byte) bool {
+	switch string(t) {
+	case "web_fetch_tool_result", "web_fetch_result", "code_execution_tool_result",
+		"bash_code_execution_tool_result", "text_editor_code_execution_tool_result":
+		return true
+	}
+	return false
 }
 
 // typeName reads a "type" member's value: the string, unquoted, or nil

@@ -162,6 +162,15 @@ func TestParseRequestApprox(t *testing.T) {
 			`"content":{"type":"document","source":{"type":"text","media_type":"text/plain","data":"abcdefgh"}}}}]}]}`, 2, -1},
 		{"anthropic_web_fetch_error", `{"messages":[{"role":"assistant","content":[{"type":"web_fetch_tool_result","tool_use_id":"srvtoolu_1",` +
 			`"content":{"type":"web_fetch_tool_result_error","error_code":"url_not_accessible"}}]}]}`, 85, -1},
+		// Any other content object counts as its JSON text, as does a
+		// server tool result's whose type comes after it: the providers
+		// take none, and an upstream that does may read all its members.
+		{"tool_result_content_object", `{"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t1",` +
+			`"content":{"note":"abcdefgh"}}]}]}`, ap(`{"note":"abcdefgh"}`), -1},
+		{"responses_message_content_object", `{"input":[{"type":"message","role":"user","content":{"type":"text","data":"abcdefgh"}}]}`,
+			ap(`{"type":"text","data":"abcdefgh"}`), -1},
+		{"web_fetch_result_type_last", `{"messages":[{"role":"assistant","content":[{"tool_use_id":"srvtoolu_1",` +
+			`"content":{"note":"abcdefgh"},"type":"web_fetch_tool_result"}]}]}`, ap(`{"note":"abcdefgh"}`), -1},
 		// Code execution and text editor results: their output, an edit's
 		// lines (4 + 4 bytes), an error's message (12 bytes: 3), the view
 		// of a file (8 bytes: 2); an output file is one media part.
