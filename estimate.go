@@ -436,9 +436,11 @@ func configures(path string) bool {
 			return true
 		}
 		// An agent's update, but not Mistral's agents completion
-		// (/v1/agents/completions, its SDK's agents.complete), which runs
-		// the agent's model.
-		return n == 1 && rest[0] != "completions"
+		// (/v1/agents/completions, its SDK's agents.complete, also in
+		// another case or with path parameters, as runOrModel reads a
+		// run), which runs the agent's model.
+		seg, _, _ := strings.Cut(rest[0], ";")
+		return n == 1 && !strings.EqualFold(seg, "completions")
 	case "sessions":
 		return n == 1 || n >= 2 && n <= 3 && rest[1] == "resources"
 	case "projects":

@@ -308,6 +308,8 @@ func TestEstimateAgentNamesOnlyAfterV1(t *testing.T) {
 		"/environments/prod/v1/chat/completions",
 		"/v1//vaults",
 		"/v1/agents/completions",
+		"/v1/agents/Completions",
+		"/v1/agents/completions;v=1",
 	} {
 		req := httptest.NewRequest(http.MethodPost, p, strings.NewReader(chat))
 		est, err := e.estimate(httptest.NewRecorder(), req, false)
