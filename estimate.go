@@ -223,7 +223,7 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		est.read = read // a whole body priced on_invalid is in memory all the same
 		return est, err
 	}
-	if clean && (countsTokens(urlPath) || storesObjects(urlPath) || configures(urlPath)) {
+	if clean && (countsTokens(urlPath) || storesObjects(urlPath) && !startsConversation(urlPath, req) || configures(urlPath)) {
 		return tokenEstimate{model: req.Model, noInference: true, read: true}, nil
 	}
 	defaultMax := e.DefaultMaxTokens
@@ -353,6 +353,27 @@ func storesObjects(path string) bool {
 		last[0] == "calls" && hangup) ||
 		live && last[0] == "sessions" && hangup
 	return !runs && (stored || threads || secretOrCall || last[0] == "chat" && last[1] == "completions" && last[2] != "")
+}
+
+// startsConversation reports whether a request to a conversations path
+// (a stored object of OpenAI's API, see storesObjects) runs a model all
+// the same: Mistral's conversations API starts, appends to and restarts
+// a conversation at /v1/conversations, /v1/conversations/<id> and
+// /v1/conversations/<id>/restart, with the model's inputs (and a model or
+// an agent), where OpenAI's conversations.create, update and items.create
+// send items and metadata, which the estimate does not count. So a body
+// with a model or with text the estimate counts (Mistral's inputs) is no
+// stored object there.
+func startsConversation(path string, req llm.Request) bool {
+	if req.Model == "" && req.PromptTokens == 0 {
+		return false
+	}
+	for seg := range strings.SplitSeq(path, "/") {
+		if seg == "conversations" {
+			return true
+		}
+	}
+	return false
 }
 
 // runOrModel reports whether a path segment makes its path never free.

@@ -453,6 +453,14 @@ func TestEstimateStoredObjects(t *testing.T) {
 		{"thread", "/v1/threads", `{"messages":[{"role":"user","content":` + text + `}]}`, -1},
 		{"thread_message", "/v1/threads/thread_abc/messages", `{"role":"user","content":` + text + `}`, -1},
 		{"conversation_items", "/v1/conversations/conv_abc/items", `{"items":[{"type":"message","role":"user","content":` + text + `}]}`, -1},
+		{"conversation", "/v1/conversations", `{"items":[{"type":"message","role":"user","content":` + text + `}],"metadata":{"topic":"demo"}}`, -1},
+		{"conversation_update", "/v1/conversations/conv_abc", `{"metadata":{"topic":"demo"}}`, -1},
+		// Mistral's conversations run the model on their inputs: a start
+		// (with a model or an agent), an append, a restart.
+		{"mistral_conversation_start", "/v1/conversations", `{"model":"mistral-medium-latest","inputs":` + text + `}`, 11 + 1024},
+		{"mistral_conversation_agent", "/v1/conversations", `{"agent_id":"ag_abc","inputs":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"mistral_conversation_append", "/v1/conversations/conv_abc", `{"inputs":` + text + `,"stream":false}`, 11 + 1024},
+		{"mistral_conversation_restart", "/v1/conversations/conv_abc/restart", `{"inputs":` + text + `,"from_entry_id":"msg_abc"}`, 11 + 1024},
 		{"chat_completion_metadata", "/v1/chat/completions/chatcmpl-abc", `{"metadata":{"topic":"billing"}}`, -1},
 		{"run", "/v1/threads/thread_abc/runs", `{"assistant_id":"asst_abc","additional_instructions":` + text + `}`, 1024},
 		{"thread_and_run", "/v1/threads/runs", `{"assistant_id":"asst_abc","thread":{"messages":[{"role":"user","content":` + text + `}]}}`, 1024},

@@ -51,11 +51,14 @@
 // the top-level object that count are:
 //
 //	system, prompt, input,     a content value (below): Anthropic system (a
-//	instructions, suffix       string or text blocks), legacy completions
-//	                           prompt (a string, strings, token ids) and
+//	inputs, instructions,      string or text blocks), legacy completions
+//	suffix                     prompt (a string, strings, token ids) and
 //	                           suffix, Responses API input (a string or
 //	                           items) and instructions, embeddings input (a
-//	                           string, strings, token ids, arrays of ids)
+//	                           string, strings, token ids, arrays of ids),
+//	                           Mistral's conversation inputs (a string or
+//	                           entries) and Hugging Face TGI's generate
+//	                           inputs
 //	messages                   an array of messages (objects or null, else
 //	                           the body is invalid), each read as a part
 //	                           that never counts MediaPartTokens itself
@@ -156,7 +159,9 @@
 // program_output, tool_addition, tool_removal, web_fetch_tool_result,
 // web_fetch_result, code_execution_tool_result, code_execution_result,
 // bash_code_execution_tool_result, bash_code_execution_result and the
-// text_editor_code_execution results and error), or has neither a
+// text_editor_code_execution results and error, and Mistral's
+// conversation entries message.input, message.output, function.call and
+// function.result), or has neither a
 // type nor any of the members above nor a role; but not when it has a
 // "source" and all its sources are plain-text or content sources. So
 // image_url, input_image, image, input_audio, file, input_file,

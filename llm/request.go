@@ -278,7 +278,7 @@ func (p *parser) parse() (Request, error) {
 			if n, err = p.prompts(); err == nil {
 				req.Prompts = max(req.Prompts, n)
 			}
-		case "system", "input", "instructions", "suffix":
+		case "system", "input", "inputs", "instructions", "suffix":
 			err = p.content()
 		case "tools", "functions", "response_format", "output_format":
 			err = p.jsonText()
@@ -334,7 +334,7 @@ func (p *parser) parse() (Request, error) {
 // reads.
 var topLevelNames = namesOf("model", "stream", "stream_options", "max_tokens",
 	"max_completion_tokens", "max_output_tokens", "n", "best_of", "messages",
-	"system", "prompt", "input", "instructions", "suffix", "tools",
+	"system", "prompt", "input", "inputs", "instructions", "suffix", "tools",
 	"functions", "response_format", "text", "output_config", "output_format")
 
 // includeUsage is the member of stream_options the estimate reads.
@@ -911,7 +911,8 @@ func textType(t []byte) bool {
 		"bash_code_execution_tool_result", "bash_code_execution_result",
 		"text_editor_code_execution_tool_result", "text_editor_code_execution_view_result",
 		"text_editor_code_execution_create_result", "text_editor_code_execution_str_replace_result",
-		"text_editor_code_execution_tool_result_error":
+		"text_editor_code_execution_tool_result_error",
+		"message.input", "message.output", "function.call", "function.result":
 		return true
 	}
 	return false

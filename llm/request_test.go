@@ -141,6 +141,11 @@ func TestParseRequestApprox(t *testing.T) {
 		// cites; no media part.
 		{"anthropic_search_result", `{"messages":[{"role":"user","content":[{"type":"search_result",` +
 			`"source":"https://example.com/a","title":"A buckets","content":[{"type":"text","text":"A token bucket refills."}]}]}]}`, 6 + 3 + 6, -1},
+		// Mistral's conversation inputs (a string or entries) and TGI's
+		// generate inputs are what the model reads.
+		{"mistral_conversation_inputs", `{"model":"mistral-medium-latest","inputs":[{"role":"user","content":"abcd"},` +
+			`{"type":"function.result","tool_call_id":"c1","result":"efgh"},{"type":"message.output","role":"assistant","content":"ijkl"}]}`, 1 + 1 + 1, -1},
+		{"tgi_generate_inputs", `{"inputs":"abcdefgh","parameters":{"max_new_tokens":20}}`, 2, -1},
 		// Anthropic's structured output schema (output_config.format, the
 		// beta's output_format) counts as JSON text, as OpenAI's
 		// response_format; output_config's effort counts nothing.
@@ -149,6 +154,7 @@ func TestParseRequestApprox(t *testing.T) {
 		{"anthropic_beta_output_format", `{"messages":[{"role":"user","content":"abcd"}],"output_format":` + jsonSchemaFormat + `}`,
 			1 + ap(jsonSchemaFormat), -1},
 		{"output_config_in_another_case", `{"Output_Config":{}}`, -1, 0},
+		{"inputs_in_another_case", `{"Inputs":"abcd"}`, -1, 0},
 		// An Anthropic web fetch result, which the client sends back: its
 		// document is a PDF, one media part, however long its base64 (it
 		// used to count as JSON text: 1,000 tokens here), beside its title
