@@ -366,10 +366,15 @@ var bucketParamNames = []string{"handler", "tier", "dimension", "unit", "model",
 const maxParamsBody = 64 << 10
 
 // readBucketParams reads the parameters from a POST's JSON body, or else
-// from the query string. An unknown parameter, a parameter given twice, or
-// parameters in both is 400; a body over maxParamsBody is 413.
+// from the query string. An unknown parameter, a parameter given twice,
+// parameters in both, or a body with another method than POST (which would
+// otherwise be ignored, and a DELETE reset the query's bucket, or none) is
+// 400; a body over maxParamsBody is 413.
 func readBucketParams(w http.ResponseWriter, r *http.Request) (bucketParams, error) {
 	var p bucketParams
+	if r.Method != http.MethodPost && r.ContentLength != 0 {
+		return p, apiError(http.StatusBadRequest, fmt.Sprintf("parameters: a JSON body only with POST; a %s takes them in the query string (POST /token_bucket/bucket/reset resets with a body)", r.Method))
+	}
 	if r.Method == http.MethodPost && r.ContentLength != 0 {
 		if r.URL.RawQuery != "" {
 			return p, apiError(http.StatusBadRequest, "parameters: in the query string or in the JSON body, not both")
