@@ -39,7 +39,8 @@ const (
 
 // Estimate estimates the LLM tokens of an OpenAI- or Anthropic-style JSON
 // request body before it is sent (see package llm for what is counted:
-// messages, system, prompt, input, instructions, tools, functions,
+// messages, system, prompt, input, instructions, Gemini's contents and
+// system instruction, tools, functions,
 // response_format, tool calls and results (built-in ones included: the
 // code, logs and file search results of Responses API items), the text of
 // Anthropic documents of plain text or content blocks, 85 per image or

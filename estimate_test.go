@@ -546,8 +546,9 @@ func TestEstimateStoredObjects(t *testing.T) {
 		{"anthropic_deployment", "/v1/deployments", `{"agent":{"id":"agent_abc","type":"agent"}}`, 1024},
 		{"azure_deployment", "/openai/deployments/gpt-4o/chat/completions", `{"messages":[{"role":"user","content":""}]}`, 1024},
 		{"batch", "/v1/batches", `{"input_file_id":"file-abc","endpoint":"/v1/chat/completions","completion_window":"24h"}`, 1024},
+		// A Gemini call (Vertex AI's path) is estimated from its contents.
 		{"vertex_gemini", "/v1/projects/p/locations/l/publishers/google/models/gemini-2.5-flash:generateContent",
-			`{"contents":[{"role":"user","parts":[{"text":` + text + `}]}]}`, 1024},
+			`{"contents":[{"role":"user","parts":[{"text":` + text + `}]}]}`, 11 + 1024},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			req := httptest.NewRequest(http.MethodPost, tc.path, strings.NewReader(tc.body))

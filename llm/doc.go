@@ -59,6 +59,12 @@
 //	                           Mistral's conversation inputs (a string or
 //	                           entries) and Hugging Face TGI's generate
 //	                           inputs
+//	contents                   a content value: Gemini's generateContent
+//	                           contents (Google AI, Vertex AI), whose
+//	                           entries are parts with "parts"
+//	systemInstruction,         Gemini's system instruction: an object is
+//	system_instruction         read as a message, anything else as a
+//	                           content value
 //	messages                   an array of messages (objects or null, else
 //	                           the body is invalid), each read as a part
 //	                           that never counts MediaPartTokens itself
@@ -83,13 +89,14 @@
 //	summary, tool_calls,       OpenAI role "tool" message's content, an
 //	outputs, queries,          Anthropic tool_result's content and a
 //	commands, command,         compaction block's tool_changes, a Responses
-//	tool_changes, lines        function_call_output's output, an assistant
-//	                           message's tool_calls, a reasoning item's
+//	tool_changes, lines,       function_call_output's output, an assistant
+//	parts                      message's tool_calls, a reasoning item's
 //	                           summary and content, a
 //	                           code_interpreter_call's outputs, a
 //	                           file_search_call's queries, a shell_call's
 //	                           commands and a local_shell_call's command,
-//	                           an Anthropic text editor edit's lines);
+//	                           an Anthropic text editor edit's lines, a
+//	                           Gemini content's parts);
 //	                           but an object output is read as a part (a
 //	                           Responses computer_call_output's
 //	                           screenshot, one image part: its data URL is
@@ -109,8 +116,8 @@
 //	stdout, stderr, diff,      custom_tool_call's input string), the names
 //	title, context, query,     of messages, tools and functions called
 //	pattern, reason, error,    (short: they count as any text, which is
-//	error_message              never low), a code_interpreter_call's code
-//	                           and its logs, a shell_call_output's stdout
+//	error_message, args,       never low), a code_interpreter_call's code
+//	response                   and its logs, a shell_call_output's stdout
 //	                           and stderr (and an Anthropic code execution
 //	                           result's), an apply_patch_call's diff, the
 //	                           title and context of an Anthropic document
@@ -118,7 +125,9 @@
 //	                           action's query or find pattern, an
 //	                           mcp_approval_response's reason, an
 //	                           mcp_call's or mcp_list_tools item's error,
-//	                           an Anthropic text editor error's message
+//	                           an Anthropic text editor error's message, a
+//	                           Gemini function call's args and function
+//	                           response's response
 //	action, actions,           an object read as a message, so that only
 //	operation                  its text counts (a shell_call's or
 //	                           local_shell_call's action, an
@@ -133,8 +142,13 @@
 //	                           read in an image_generation_call, whose
 //	                           result is its image, base64
 //	function, function_call,   an object read as a part (OpenAI tool call
-//	custom                     and legacy function call: name, arguments;
-//	                           a chat custom tool call: name, input)
+//	custom, functionCall,      and legacy function call: name, arguments;
+//	functionResponse,          a chat custom tool call: name, input;
+//	function_response,         Gemini's function call: name, args, its
+//	executableCode,            response: name, response, its code and the
+//	executable_code,           code's result: code, output)
+//	codeExecutionResult,
+//	code_execution_result
 //	source                     a string is one text (an Anthropic search
 //	                           result's source), anything but an object its
 //	                           raw JSON text; an object: the "data" of a
@@ -166,7 +180,8 @@
 // "source" and all its sources are plain-text or content sources. So
 // image_url, input_image, image, input_audio, file, input_file,
 // computer_screenshot, a document of a base64, url or file source (a PDF),
-// a web_search_call and unknown types count 85 each,
+// a web_search_call, a Gemini part of inlineData or fileData and unknown
+// types count 85 each,
 // whatever their size or detail; a document of plain text or of content
 // blocks counts its text (and 85 per image block) instead.
 //

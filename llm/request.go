@@ -278,8 +278,16 @@ func (p *parser) parse() (Request, error) {
 			if n, err = p.prompts(); err == nil {
 				req.Prompts = max(req.Prompts, n)
 			}
-		case "system", "input", "inputs", "instructions", "suffix":
+		case "system", "input", "inputs", "instructions", "suffix", "contents":
 			err = p.content()
+		case "systemInstruction", "system_instruction":
+			// Gemini's system instruction, one Content ({"parts":[...]}),
+			// read as a message is.
+			if p.dec.PeekKind() == '{' {
+				err = p.part(true)
+			} else {
+				err = p.content()
+			}
 		case "tools", "functions", "response_format", "output_format":
 			err = p.jsonText()
 		case "text", "output_config":
@@ -706,7 +714,7 @@ func (p *parser) part(message bool) error {
 				err = p.content()
 			}
 		case "text", "summary", "tool_calls", "outputs", "queries",
-			"commands", "command", "tool_changes", "lines":
+			"commands", "command", "tool_changes", "lines", "parts":
 			known = true
 			err = p.content()
 		case "tools", "tool":
@@ -717,7 +725,7 @@ func (p *parser) part(message bool) error {
 			err = p.jsonText()
 		case "input", "arguments", "name", "refusal", "thinking", "code", "logs",
 			"stdout", "stderr", "diff", "title", "context", "query", "pattern",
-			"reason", "error", "error_message":
+			"reason", "error", "error_message", "args", "response":
 			known = true
 			err = p.strOrJSON()
 		case "results":
@@ -742,7 +750,9 @@ func (p *parser) part(message bool) error {
 			text, other, err = p.source()
 			textSource = textSource || text
 			mediaSource = mediaSource || other
-		case "function", "function_call", "custom":
+		case "function", "function_call", "custom", "functionCall", "functionResponse",
+			"function_response", "executableCode", "executable_code",
+			"codeExecutionResult", "code_execution_result":
 			known = true
 			if p.dec.PeekKind() == '{' {
 				err = p.part(true)

@@ -146,6 +146,23 @@ func TestParseRequestApprox(t *testing.T) {
 		{"mistral_conversation_inputs", `{"model":"mistral-medium-latest","inputs":[{"role":"user","content":"abcd"},` +
 			`{"type":"function.result","tool_call_id":"c1","result":"efgh"},{"type":"message.output","role":"assistant","content":"ijkl"}]}`, 1 + 1 + 1, -1},
 		{"tgi_generate_inputs", `{"inputs":"abcdefgh","parameters":{"max_new_tokens":20}}`, 2, -1},
+		// Gemini's generateContent (Google AI and Vertex AI, as LiteLLM's
+		// /gemini and /vertex_ai pass-throughs send it): contents and the
+		// system instruction (camelCase or snake_case, as Google's JSON
+		// reads both) are what the model reads: texts (16 + 8 + 4 bytes:
+		// 4 + 2 + 1), a function call's name and args (2 + ap of the
+		// args), a function response's name and response, code and its
+		// result (4 + 4 bytes: 1 + 1); an inline image or a file is one
+		// media part.
+		{"gemini_contents", `{"systemInstruction":{"parts":[{"text":"You are a cat. "}]},` +
+			`"contents":[{"role":"user","parts":[{"text":"abcdefgh"},{"inlineData":{"mimeType":"image/png","data":"iVBORw0KGgo="}}]},` +
+			`{"role":"model","parts":[{"functionCall":{"name":"f","args":` + toolInput + `}},{"executableCode":{"language":"PYTHON","code":"x=1;"}}]},` +
+			`{"role":"user","parts":[{"functionResponse":{"name":"f","response":{"t":15}}},{"codeExecutionResult":{"outcome":"OUTCOME_OK","output":"1234"}},` +
+			`{"fileData":{"mimeType":"application/pdf","fileUri":"gs://b/a.pdf"}},{"text":"abcd"}]}]}`,
+			4 + 2 + 85 + 1 + ap(toolInput) + 1 + 1 + ap(`{"t":15}`) + 1 + 85 + 1, -1},
+		{"gemini_snake_case", `{"system_instruction":{"parts":[{"text":"abcdefgh"}]},"contents":[{"parts":[{"text":"abcd"},` +
+			`{"function_call":{"name":"f","args":{}}},{"function_response":{"name":"f","response":"ok"}},{"inline_data":{"data":"AAAA"}}]}]}`,
+			2 + 1 + 1 + ap(`{}`) + 1 + 1 + 85, -1},
 		// Anthropic's structured output schema (output_config.format, the
 		// beta's output_format) counts as JSON text, as OpenAI's
 		// response_format; output_config's effort counts nothing.
