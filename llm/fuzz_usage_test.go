@@ -21,11 +21,13 @@ func splitAt(body, splits []byte) [][]byte {
 	return append(parts, body)
 }
 
-// Fuzz modes: bit 0, an event stream; bits 1-2, the body's coding.
+// Fuzz modes: bit 0, an event stream; bits 1-2, the body's coding; bit
+// 3, newline-delimited JSON (when not an event stream).
 const (
 	fuzzSSE     = 1
 	fuzzGzip    = 2 // the body gzip-compressed by the test
 	fuzzGzipRaw = 4 // the bytes as they are, labelled gzip
+	fuzzNDJSON  = 8
 )
 
 var fuzzGzipWriter = gzip.NewWriter(io.Discard)
@@ -41,12 +43,16 @@ func FuzzUsageReader(f *testing.F) {
 		`{"a":"\\","b":"\\\"usage\":{\"total_tokens\":1}","usage":{"prompt_tokens":5}}`,
 		`{"us\u0061ge":{"prompt_tokens":1.5e1}}`,
 		`{"usage":{"prompt_tokens":9007199254740991,"completion_tokens":1}}`,
+		geminiJSON, ollamaChatJSON, ollamaEmbedJSON,
 	} {
 		f.Add([]byte(body), []byte{10, 200}, byte(0))
 		f.Add([]byte(body), []byte{128}, byte(fuzzGzip))
 	}
+	f.Add([]byte(ollamaChatStream), []byte{100, 200}, byte(fuzzNDJSON))
+	f.Add([]byte(ollamaChatStream), []byte{128}, byte(fuzzNDJSON|fuzzGzip))
 	for _, body := range []string{
 		openAIChatStream(true), responsesStream("response.completed"), anthropicMessagesStream(`{"output_tokens":15}`),
+		geminiStream,
 		strings.ReplaceAll(openAIChatStream(true), "\n", "\r\n"),
 		"\xef\xbb\xbfdata: {\"usage\":\r\ndata: {\"prompt_tokens\":5}}\r\r: x\ndata\n\n",
 	} {
@@ -59,8 +65,11 @@ func FuzzUsageReader(f *testing.F) {
 			return
 		}
 		ct, ce := "application/json", ""
-		if mode&fuzzSSE != 0 {
+		switch {
+		case mode&fuzzSSE != 0:
 			ct = sse
+		case mode&fuzzNDJSON != 0:
+			ct = "application/x-ndjson"
 		}
 		switch {
 		case mode&fuzzGzip != 0:
@@ -81,7 +90,7 @@ func FuzzUsageReader(f *testing.F) {
 		}
 		if wantSt == Found {
 			for _, n := range []int64{want.InputTokens, want.OutputTokens, want.CacheCreationInputTokens,
-				want.CacheReadInputTokens, want.TotalTokens, want.Total(), want.sum()} {
+				want.CacheReadInputTokens, want.TotalTokens, want.OtherTokens, want.Total(), want.sum()} {
 				if n < 0 || n > MaxTokenCount {
 					t.Fatalf("Found %+v: a count out of range", want)
 				}
@@ -107,7 +116,7 @@ func FuzzUsageReader(f *testing.F) {
 				t.Fatalf("byte by byte: %+v, %v; whole: %+v, %v", got, st, want, wantSt)
 			}
 		}
-		if ct == sse || ce != "" {
+		if ct != "application/json" || ce != "" {
 			return
 		}
 		// A valid JSON object: the usage is its top-level member's, read
@@ -134,7 +143,8 @@ func FuzzUsageReader(f *testing.F) {
 
 // topLevelUsage returns the value of the top-level "usage" member of a
 // valid JSON object (nil when it has none); ok is false when body is not
-// one valid JSON object.
+// one valid JSON object, or has another provider's usage (Gemini's
+// usageMetadata, Ollama's counts).
 func topLevelUsage(body []byte) (member []byte, ok bool) {
 	d := jsontext.NewDecoder(bytes.NewReader(body))
 	if tok, err := d.ReadToken(); err != nil || tok.Kind() != '{' {
@@ -150,8 +160,11 @@ func topLevelUsage(body []byte) (member []byte, ok bool) {
 		if err != nil {
 			return nil, false
 		}
-		if name == "usage" {
+		switch name {
+		case "usage":
 			member = bytes.Clone(v)
+		case "usageMetadata", "prompt_eval_count", "eval_count":
+			return nil, false
 		}
 	}
 	if _, err := d.ReadToken(); err != nil {

@@ -44,6 +44,18 @@ const MaxUsageObject = 4 << 10
 //     Anthropic's input_tokens excludes them, so they count as input.
 //   - TotalTokens: total_tokens (OpenAI), as reported; 0 when not reported.
 //
+// Gemini's usageMetadata (generateContent and each event of
+// streamGenerateContent?alt=sse, Google AI and Vertex AI,
+// https://ai.google.dev/api/generate-content#UsageMetadata) gives
+// InputTokens (promptTokenCount, the cached part included),
+// OutputTokens (candidatesTokenCount), OtherTokens (thoughtsTokenCount +
+// toolUsePromptTokenCount, billed apart from both) and TotalTokens
+// (totalTokenCount, which includes all of them). Ollama's native API
+// (/api/chat, /api/generate, /api/embed,
+// https://github.com/ollama/ollama/blob/main/docs/api.md) reports its
+// counts as top-level members of the answer, or of a stream's last line:
+// InputTokens is prompt_eval_count, OutputTokens eval_count.
+//
 // A field the provider reports as null counts as not reported.
 type Usage struct {
 	InputTokens              int64
@@ -51,6 +63,7 @@ type Usage struct {
 	CacheCreationInputTokens int64
 	CacheReadInputTokens     int64
 	TotalTokens              int64
+	OtherTokens              int64
 
 	// Partial is true when the only report seen is the one an Anthropic
 	// stream opens with (message_start's message.usage): its input counts
@@ -62,7 +75,8 @@ type Usage struct {
 
 // Total returns the tokens a settlement charges: TotalTokens when the
 // provider reports a nonzero total, else InputTokens +
-// CacheCreationInputTokens + CacheReadInputTokens + OutputTokens. (A total
+// CacheCreationInputTokens + CacheReadInputTokens + OutputTokens +
+// OtherTokens. (A total
 // of 0 next to nonzero parts is not believed.) The result of Found usage
 // is at most MaxTokenCount.
 func (u Usage) Total() int64 {
@@ -73,7 +87,7 @@ func (u Usage) Total() int64 {
 }
 
 func (u Usage) sum() int64 {
-	return u.InputTokens + u.CacheCreationInputTokens + u.CacheReadInputTokens + u.OutputTokens
+	return u.InputTokens + u.CacheCreationInputTokens + u.CacheReadInputTokens + u.OutputTokens + u.OtherTokens
 }
 
 // Status tells what a UsageReader made of a response.
@@ -144,6 +158,16 @@ func (s Status) String() string {
 //     in newer API versions the input and cache counts again). Events of
 //     any length are read: the event data is scanned as it arrives, not
 //     kept.
+//   - In a JSON body or an event's data, also the top-level
+//     "usageMetadata" member (Gemini's), and the top-level
+//     "prompt_eval_count" and "eval_count" members (Ollama's native
+//     API). In one JSON body a count may be reported once: a usage object
+//     beside usageMetadata or beside an Ollama count, or a count named
+//     twice, is Invalid.
+//   - A newline-delimited JSON body (application/x-ndjson or
+//     application/ndjson: Ollama's streams): each line is read as a JSON
+//     body of its own, and each count takes the latest value any line
+//     reports for it (Ollama reports them in its last line, "done":true).
 //
 // A UsageReader uses bounded memory: it keeps at most one usage object
 // (MaxUsageObject) of an identity body, and the encoded bytes of a
@@ -176,7 +200,8 @@ var readerPool = sync.Pool{New: func() any { return new(UsageReader) }}
 // Content-Type and Content-Encoding header values.
 //
 // contentType text/event-stream (any case, any parameters) selects the
-// event-stream reading; anything else is read as JSON.
+// event-stream reading, application/x-ndjson and application/ndjson the
+// newline-delimited reading; anything else is read as JSON.
 //
 // contentEncoding lists the content codings applied to the body, in the
 // order they were applied (RFC 9110, section 8.4), comma separated, any
@@ -203,6 +228,7 @@ func (r *UsageReader) Reset(contentType, contentEncoding string) {
 	r.enc = r.enc[:0]
 	r.stream = nil
 	r.decoded = false
+	r.body.lines = isNDJSON(contentType)
 	r.body.reset(IsEventStream(contentType))
 }
 
@@ -295,9 +321,14 @@ func (r *UsageReader) Result() (Usage, Status) {
 // ({"type":"error","error":{...}}) and the APIs that follow them, and not
 // the page of a proxy in between (HTML, plain text). It reads the body as
 // far as it was written, and for a compressed body as far as Result last
-// decoded it: call it after Result. An event stream is never one.
+// decoded it: call it after Result. An event stream is never one; of a
+// newline-delimited JSON body, its first line is read.
 func (r *UsageReader) ErrorObject() bool {
-	return !r.unknown && !r.body.sse && r.body.scan.errorTop
+	b := &r.body
+	if b.lines && b.events > 0 {
+		return !r.unknown && b.firstError // the first line's
+	}
+	return !r.unknown && !b.sse && b.scan.errorTop
 }
 
 // OpenedWithError reports whether the body is an event stream whose first
@@ -334,9 +365,10 @@ func IsEventStream(contentType string) bool {
 
 // usageBody reads decoded body bytes: a JSON body, or an event stream.
 type usageBody struct {
-	sse  bool
-	ev   sseLines // event-stream framing
-	scan jsonScan // the JSON body, or the data of the current event
+	sse   bool
+	lines bool     // newline-delimited JSON: each line a JSON text of its own
+	ev    sseLines // event-stream framing
+	scan  jsonScan // the JSON body, or the data of the current event
 
 	capture []byte // the usage value being read, up to MaxUsageObject
 	capOver bool
@@ -369,12 +401,50 @@ func (b *usageBody) release() {
 
 // Write reads the next decoded bytes of the body.
 func (b *usageBody) Write(p []byte) (int, error) {
-	if b.sse {
+	switch {
+	case b.sse:
 		b.ev.feed(b, p)
-	} else {
+	case b.lines:
+		b.feedLines(p)
+	default:
 		b.scan.feed(b, p)
 	}
 	return len(p), nil
+}
+
+// feedLines reads the next bytes of a newline-delimited JSON body
+// (Ollama's streams): each line is scanned as a JSON body of its own, so
+// that its last line's counts are read, and a line that is not one JSON
+// object (a string cut short) ends at its newline, which no JSON string
+// holds unescaped. As in an event stream, each count takes the latest
+// value a line reports.
+func (b *usageBody) feedLines(p []byte) {
+	for len(p) > 0 {
+		i := bytes.IndexByte(p, '\n')
+		if i < 0 {
+			b.scan.feed(b, p)
+			return
+		}
+		b.scan.feed(b, p[:i])
+		if b.scan.started {
+			if b.events == 0 {
+				b.firstError = b.scan.errorTop
+			}
+			b.events++
+		}
+		b.scan.reset(false)
+		b.capture, b.capOver = b.capture[:0], false
+		p = p[i+1:]
+	}
+}
+
+// isNDJSON reports whether a Content-Type is newline-delimited JSON
+// (application/x-ndjson, as Ollama streams, or application/ndjson; any
+// case, any parameters).
+func isNDJSON(contentType string) bool {
+	mt, _, _ := strings.Cut(contentType, ";")
+	mt = strings.TrimSpace(mt)
+	return strings.EqualFold(mt, "application/x-ndjson") || strings.EqualFold(mt, "application/ndjson")
 }
 
 func (b *usageBody) result() (Usage, Status) {
@@ -391,6 +461,7 @@ func (b *usageBody) result() (Usage, Status) {
 		CacheCreationInputTokens: t.vals[fieldCacheCreation],
 		CacheReadInputTokens:     t.vals[fieldCacheRead],
 		TotalTokens:              t.vals[fieldTotal],
+		OtherTokens:              t.vals[fieldThoughts] + t.vals[fieldToolUsePrompt],
 		Partial:                  t.partial,
 	}
 	// Each count is at most MaxTokenCount, so the sum does not overflow.
@@ -414,9 +485,12 @@ func (b *usageBody) captureAppend(p []byte) {
 
 // Where a usage object is.
 const (
-	usageTop      = iota // the top-level "usage"
-	usageMessage         // "message"."usage": Anthropic's message_start
-	usageResponse        // "response"."usage": the Responses API's last events
+	usageTop        = iota // the top-level "usage"
+	usageMessage           // "message"."usage": Anthropic's message_start
+	usageResponse          // "response"."usage": the Responses API's last events
+	usageGemini            // the top-level "usageMetadata": Gemini's
+	countPromptEval        // the top-level "prompt_eval_count": Ollama's
+	countEval              // the top-level "eval_count": Ollama's
 )
 
 // report reads a usage value the scan has read whole into b.capture.
@@ -424,7 +498,8 @@ func (b *usageBody) report(where int) {
 	raw, over := b.capture, b.capOver
 	b.capture, b.capOver = b.capture[:0], false
 	t := &b.tally
-	if !b.sse && where == usageTop {
+	whole := !b.sse && !b.lines // one JSON body: no report may come twice
+	if whole && (where == usageTop || where == usageGemini) {
 		t.reports++
 		if t.reports > 1 {
 			t.invalid = true // a duplicate top-level member
@@ -440,11 +515,27 @@ func (b *usageBody) report(where int) {
 		return // every OpenAI chunk but the last, with include_usage
 	}
 	var f usageFields
-	if !b.parseUsage(raw, &f) {
+	ok := false
+	switch where {
+	case countPromptEval:
+		ok = b.parseCountMember(raw, fieldInput, &f)
+	case countEval:
+		ok = b.parseCountMember(raw, fieldOutput, &f)
+	default:
+		ok = b.parseUsage(raw, where == usageGemini, &f)
+	}
+	if !ok {
 		t.invalid = true
 		return
 	}
 	if f.set == 0 {
+		return
+	}
+	if whole && t.set&f.set != 0 {
+		// A count reported twice in one JSON body (an Ollama count
+		// named twice, or beside a usage object): parsers keep
+		// different ones.
+		t.invalid = true
 		return
 	}
 	for i := range numFields {
@@ -463,6 +554,8 @@ const (
 	fieldCacheCreation
 	fieldCacheRead
 	fieldTotal
+	fieldThoughts      // Gemini's thoughtsTokenCount
+	fieldToolUsePrompt // Gemini's toolUsePromptTokenCount
 	numFields
 )
 
@@ -480,11 +573,27 @@ type tally struct {
 }
 
 // fieldOf returns the count a usage member's name (raw JSON string) is,
-// or -1.
-func fieldOf(name []byte) int {
+// or -1: of OpenAI's and Anthropic's usage object, or of Gemini's
+// usageMetadata when gemini.
+func fieldOf(name []byte, gemini bool) int {
 	var buf [40]byte
 	s, ok := unquoteName(name, buf[:0])
 	if !ok {
+		return -1
+	}
+	if gemini {
+		switch string(s) {
+		case "promptTokenCount":
+			return fieldInput
+		case "candidatesTokenCount":
+			return fieldOutput
+		case "thoughtsTokenCount":
+			return fieldThoughts
+		case "toolUsePromptTokenCount":
+			return fieldToolUsePrompt
+		case "totalTokenCount":
+			return fieldTotal
+		}
 		return -1
 	}
 	switch string(s) {
@@ -518,17 +627,12 @@ func unquoteName(raw, dst []byte) ([]byte, bool) {
 }
 
 // parseUsage reads a usage value with the JSON decoder: null or an object
-// whose known members are null or valid counts (see parseCount); unknown
-// members may be anything. A count named twice (prompt_tokens and
-// input_tokens, say) must agree. It reports false for anything else.
-func (b *usageBody) parseUsage(raw []byte, f *usageFields) bool {
-	if b.dec == nil {
-		b.dec = jsontext.NewDecoder(&b.buf)
-	}
-	b.buf.Reset()
-	b.buf.Write(raw)
-	d := b.dec
-	d.Reset(&b.buf)
+// whose known members (see fieldOf) are null or valid counts (see
+// parseCount); unknown members may be anything. A count named twice
+// (prompt_tokens and input_tokens, say) must agree. It reports false for
+// anything else.
+func (b *usageBody) parseUsage(raw []byte, gemini bool, f *usageFields) bool {
+	d := b.decoder(raw)
 	switch d.PeekKind() {
 	case 'n':
 		if _, err := d.ReadToken(); err != nil {
@@ -543,7 +647,7 @@ func (b *usageBody) parseUsage(raw []byte, f *usageFields) bool {
 			if err != nil {
 				return false
 			}
-			i := fieldOf(name)
+			i := fieldOf(name, gemini)
 			v, err := d.ReadValue()
 			if err != nil {
 				return false
@@ -569,6 +673,40 @@ func (b *usageBody) parseUsage(raw []byte, f *usageFields) bool {
 	}
 	_, err := d.ReadToken()
 	return err == io.EOF // nothing after the value
+}
+
+// decoder returns the reader's JSON decoder, reset to read raw.
+func (b *usageBody) decoder(raw []byte) *jsontext.Decoder {
+	if b.dec == nil {
+		b.dec = jsontext.NewDecoder(&b.buf)
+	}
+	b.buf.Reset()
+	b.buf.Write(raw)
+	b.dec.Reset(&b.buf)
+	return b.dec
+}
+
+// parseCountMember reads the value of a top-level count member (Ollama's
+// prompt_eval_count and eval_count) as the count i: null (not reported)
+// or a valid count (see parseCount). It reports false for anything else.
+func (b *usageBody) parseCountMember(raw []byte, i int, f *usageFields) bool {
+	d := b.decoder(raw)
+	v, err := d.ReadValue()
+	if err != nil {
+		return false
+	}
+	if _, err := d.ReadToken(); err != io.EOF { // nothing after the value
+		return false
+	}
+	switch v.Kind() {
+	case 'n':
+		return true
+	case '0':
+		n, ok := parseCount(v)
+		f.vals[i], f.set = n, 1<<i
+		return ok
+	}
+	return false
 }
 
 // parseCount returns the token count a JSON number (valid per RFC 8259)

@@ -9,7 +9,9 @@ import (
 // jsonScan follows one JSON text pushed to it in pieces, tracking only
 // strings, escapes and nesting, to find the value of the top-level
 // object's "usage" member (and, for event data, of "message"."usage" and
-// "response"."usage") and pass it whole to usageBody.report. It does not
+// "response"."usage"), of its "usageMetadata" member (Gemini's) and of its
+// "prompt_eval_count" and "eval_count" members (Ollama's) and pass it
+// whole to usageBody.report. It does not
 // validate the JSON: a usage value it hands over is validated when
 // parsed. It is linear in the input, allocates nothing, and keeps no
 // input but the usage value it reads (usageBody.capture): strings are
@@ -39,6 +41,7 @@ type jsonScan struct {
 
 	capturing bool // reading a usage value (after its colon)
 	capDepth  int  // the depth of its member
+	capMember int  // its member: memberUsage, memberUsageMetadata, memberPromptEval or memberEval
 
 	errorTop  bool // the top-level object has an "error" member
 	errorNext bool // the next value is the top-level "error" member's
@@ -46,7 +49,9 @@ type jsonScan struct {
 }
 
 // maxName is the longest raw member name kept: "response" with every
-// letter escaped as \uXXXX.
+// letter escaped as \uXXXX. (Longer names of ours, "usageMetadata" and
+// "prompt_eval_count", are kept when they are written with fewer escapes,
+// as their senders write them.)
 const maxName = 6 * len("response")
 
 // Member names that matter.
@@ -56,6 +61,9 @@ const (
 	memberMessage
 	memberResponse
 	memberError
+	memberUsageMetadata // Gemini's usage, top-level only
+	memberPromptEval    // Ollama's prompt_eval_count, top-level only
+	memberEval          // Ollama's eval_count, top-level only
 )
 
 func (s *jsonScan) reset(paths bool) {
@@ -155,8 +163,9 @@ func (s *jsonScan) feed(b *usageBody, p []byte) {
 				s.want, s.member = true, memberOther
 			}
 		case ':':
-			if !s.capturing && s.member == memberUsage && s.tracked() {
-				s.capturing, s.capDepth, capStart = true, s.depth, i+1
+			if !s.capturing && (s.member == memberUsage && s.tracked() ||
+				s.depth == 1 && s.member >= memberUsageMetadata) {
+				s.capturing, s.capDepth, s.capMember, capStart = true, s.depth, s.member, i+1
 			}
 			s.errorNext = s.member == memberError && s.depth == 1
 		default:
@@ -188,6 +197,14 @@ func (s *jsonScan) endCapture(b *usageBody, last []byte) {
 	b.captureAppend(last)
 	s.capturing = false
 	where := usageTop
+	switch s.capMember {
+	case memberUsageMetadata:
+		where = usageGemini
+	case memberPromptEval:
+		where = countPromptEval
+	case memberEval:
+		where = countEval
+	}
 	if s.capDepth == 2 {
 		where = usageMessage
 		if s.parent == memberResponse {
@@ -236,6 +253,12 @@ func (s *jsonScan) nameIs() int {
 		return memberResponse
 	case "error":
 		return memberError
+	case "usageMetadata":
+		return memberUsageMetadata
+	case "prompt_eval_count":
+		return memberPromptEval
+	case "eval_count":
+		return memberEval
 	}
 	return memberOther
 }

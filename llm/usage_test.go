@@ -226,6 +226,83 @@ func TestUsageShapes(t *testing.T) {
 	}
 }
 
+// Answers of other upstreams, in their documented shapes: Gemini's
+// generateContent (https://ai.google.dev/api/generate-content) and
+// Ollama's native API (https://github.com/ollama/ollama/blob/main/docs/api.md).
+const (
+	geminiJSON = `{"candidates":[{"content":{"parts":[{"text":"A bucket of tokens."}],"role":"model"},` +
+		`"finishReason":"STOP","index":0}],"usageMetadata":{"promptTokenCount":8,"candidatesTokenCount":12,` +
+		`"totalTokenCount":420,"promptTokensDetails":[{"modality":"TEXT","tokenCount":8}],"thoughtsTokenCount":400},` +
+		`"modelVersion":"gemini-2.5-flash","responseId":"mKdXaKbSIo2c1dkP2Y6H0Qc"}`
+	geminiStream = "data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\"A bucket\"}],\"role\":\"model\"},\"index\":0}]," +
+		"\"usageMetadata\":{\"promptTokenCount\":8,\"totalTokenCount\":8},\"modelVersion\":\"gemini-2.5-flash\"}\r\n\r\n" +
+		"data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\" of tokens.\"}],\"role\":\"model\"},\"finishReason\":\"STOP\",\"index\":0}]," +
+		"\"usageMetadata\":{\"promptTokenCount\":8,\"candidatesTokenCount\":30,\"totalTokenCount\":138,\"thoughtsTokenCount\":100}," +
+		"\"modelVersion\":\"gemini-2.5-flash\"}\r\n\r\n"
+	ollamaChatJSON = `{"model":"llama3.2","created_at":"2023-12-12T14:13:43.416799Z","message":{"role":"assistant",` +
+		`"content":"Hello! How are you today?"},"done":true,"total_duration":5191566416,"load_duration":2154458,` +
+		`"prompt_eval_count":26,"prompt_eval_duration":383809000,"eval_count":298,"eval_duration":4799921000}`
+	ollamaChatStream = `{"model":"llama3.2","created_at":"2023-08-04T08:52:19.385406455-07:00","message":{"role":"assistant",` +
+		`"content":"The"},"done":false}` + "\n" +
+		`{"model":"llama3.2","created_at":"2023-08-04T08:52:19.385406455-07:00","message":{"role":"assistant",` +
+		`"content":" sky\n\"eval_count\":1}"},"done":false}` + "\n" +
+		`{"model":"llama3.2","created_at":"2023-08-04T19:22:45.499127Z","message":{"role":"assistant","content":""},` +
+		`"done":true,"done_reason":"stop","total_duration":4883583458,"load_duration":1334875,"prompt_eval_count":26,` +
+		`"prompt_eval_duration":342546000,"eval_count":282,"eval_duration":4535599000}` + "\n"
+	ollamaEmbedJSON = `{"model":"all-minilm","embeddings":[[0.010071029,-0.0017594862,0.05007221]],` +
+		`"total_duration":14143917,"load_duration":1019500,"prompt_eval_count":8}`
+)
+
+// TestUsageOtherUpstreams: the usage that Gemini (usageMetadata, in a JSON
+// body and in each event of an alt=sse stream) and Ollama's native API
+// (prompt_eval_count and eval_count, in a JSON body and in the last line
+// of a newline-delimited JSON stream) report is read exactly, however the
+// body is split. Before, all of them were NotReported: the estimate
+// stood.
+func TestUsageOtherUpstreams(t *testing.T) {
+	const ndjson = "application/x-ndjson"
+	for _, tc := range []usageCase{
+		{"gemini_json", "application/json", geminiJSON,
+			Usage{InputTokens: 8, OutputTokens: 12, OtherTokens: 400, TotalTokens: 420}, Found, 420},
+		// Without a total, the thoughts count as well.
+		{"gemini_json_without_total", "application/json",
+			`{"usageMetadata":{"promptTokenCount":8,"candidatesTokenCount":12,"thoughtsTokenCount":400,"toolUsePromptTokenCount":5,"cachedContentTokenCount":6}}`,
+			Usage{InputTokens: 8, OutputTokens: 12, OtherTokens: 405}, Found, 425},
+		{"gemini_stream", sse, geminiStream,
+			Usage{InputTokens: 8, OutputTokens: 30, OtherTokens: 100, TotalTokens: 138}, Found, 138},
+		{"ollama_chat_json", "application/json; charset=utf-8", ollamaChatJSON,
+			Usage{InputTokens: 26, OutputTokens: 298}, Found, 324},
+		{"ollama_chat_stream", ndjson, ollamaChatStream, Usage{InputTokens: 26, OutputTokens: 282}, Found, 308},
+		{"ollama_chat_stream_crlf", "Application/X-NDJSON; charset=utf-8", strings.ReplaceAll(ollamaChatStream, "\n", "\r\n"),
+			Usage{InputTokens: 26, OutputTokens: 282}, Found, 308},
+		// Cut before the last line ends: its counts came whole all the same.
+		{"ollama_chat_stream_unterminated", ndjson, strings.TrimSuffix(ollamaChatStream, "\n"),
+			Usage{InputTokens: 26, OutputTokens: 282}, Found, 308},
+		{"ollama_chat_stream_cut", ndjson, ollamaChatStream[:strings.LastIndex(ollamaChatStream, `"done":true`)],
+			Usage{}, NotReported, 0},
+		// A prompt served from Ollama's cache has no prompt_eval_count.
+		{"ollama_cached_prompt", "application/json", `{"done":true,"eval_count":12}`, Usage{OutputTokens: 12}, Found, 12},
+		{"ollama_embed_json", "application/json", ollamaEmbedJSON, Usage{InputTokens: 8}, Found, 8},
+		// Counts nested elsewhere (in a message, in options) are not the
+		// answer's.
+		{"ollama_nested_counts", "application/json", `{"message":{"eval_count":5},"options":{"prompt_eval_count":6}}`,
+			Usage{}, NotReported, 0},
+		// A count named twice, or a count beside a usage object, in one
+		// JSON body: parsers keep different ones.
+		{"ollama_count_twice", "application/json", `{"eval_count":12,"eval_count":1}`, Usage{}, Invalid, 0},
+		{"ollama_count_and_usage", "application/json", `{"usage":{"prompt_tokens":3},"prompt_eval_count":30}`, Usage{}, Invalid, 0},
+		{"usage_and_usage_metadata", "application/json", `{"usage":{"total_tokens":3},"usageMetadata":{"totalTokenCount":30}}`,
+			Usage{}, Invalid, 0},
+		{"ollama_count_fraction", "application/json", `{"eval_count":1.5}`, Usage{}, Invalid, 0},
+		{"ollama_count_string", "application/json", `{"eval_count":"12"}`, Usage{}, Invalid, 0},
+		{"ollama_count_null", "application/json", `{"eval_count":null}`, Usage{}, NotReported, 0},
+		// An NDJSON line that is not an object ends at its newline.
+		{"ndjson_broken_line", ndjson, "\"abc\n{\"eval_count\":7}\n", Usage{OutputTokens: 7}, Found, 7},
+	} {
+		t.Run(tc.name, func(t *testing.T) { checkSplits(t, tc) })
+	}
+}
+
 // TestUsageSettleCases: the cases the handler's own usage parsing was
 // tested with.
 func TestUsageSettleCases(t *testing.T) {
