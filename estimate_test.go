@@ -549,6 +549,11 @@ func TestEstimateStoredObjects(t *testing.T) {
 		// A Gemini call (Vertex AI's path) is estimated from its contents.
 		{"vertex_gemini", "/v1/projects/p/locations/l/publishers/google/models/gemini-2.5-flash:generateContent",
 			`{"contents":[{"role":"user","parts":[{"text":` + text + `}]}]}`, 11 + 1024},
+		// Budgets kept in an object of settings: Gemini's, TGI's, Ollama's.
+		{"gemini_budget", "/gemini/v1beta/models/gemini-2.5-flash:generateContent",
+			`{"contents":[{"parts":[{"text":` + text + `}]}],"generationConfig":{"maxOutputTokens":8192}}`, 11 + 8192},
+		{"tgi_generate", "/generate", `{"inputs":` + text + `,"parameters":{"max_new_tokens":4000}}`, 11 + 4000},
+		{"ollama_generate", "/api/generate", `{"model":"llama3.2","prompt":` + text + `,"options":{"num_predict":4000}}`, 11 + 4000},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			req := httptest.NewRequest(http.MethodPost, tc.path, strings.NewReader(tc.body))

@@ -218,7 +218,14 @@
 // and max_output_tokens may also be the string "inf" (the Realtime API's
 // unlimited budget: a session's, or a call's that realtime.calls.accept
 // sends), which sets no budget, as null does; anything else makes the
-// body invalid. Request.Budget multiplies it by
+// body invalid. The APIs that keep their budget in an object of settings
+// are read there too: Ollama's options.num_predict, Hugging Face TGI's
+// parameters.max_new_tokens, Gemini's generationConfig.maxOutputTokens
+// (generation_config.max_output_tokens) and Bedrock Converse's
+// inferenceConfig.maxTokens, each a number, or a string holding one,
+// rounded up (a negative one, Ollama's -1 and -2, sets no budget; anything
+// else is not read); TGI's parameters.best_of and Gemini's candidateCount
+// are read as n is. Request.Budget multiplies it by
 // the completions asked for each prompt (n, best_of) and by the number of
 // prompts (a legacy completions prompt may be an array of prompts), at
 // most MaxCost.

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"math"
+	"strconv"
 	"strings"
 	"sync"
 	"unicode/utf8"
@@ -45,7 +47,10 @@ type Request struct {
 	PromptTokens int64
 	// MaxTokens is the completion budget the body sets, in tokens: the
 	// largest number among every max_completion_tokens, max_tokens and
-	// max_output_tokens member (duplicates included), from 0 to MaxCost;
+	// max_output_tokens member (duplicates included) and every budget of
+	// a settings object (Ollama's options, TGI's parameters, Gemini's
+	// generationConfig, Bedrock's inferenceConfig: see settings), from 0
+	// to MaxCost;
 	// -1 when none is set to a number (absent or null). Charge Budget,
 	// which accounts for a null duplicate too.
 	MaxTokens int64
@@ -59,7 +64,8 @@ type Request struct {
 	IncludeUsage bool
 	// Choices is how many completions the request asks for per prompt:
 	// the largest of every "n" (OpenAI chat and completions) and "best_of"
-	// (legacy completions) member, 1 when none is set (or set to 0 or
+	// (legacy completions) member, and of a settings object's best_of
+	// (TGI) and candidateCount (Gemini), 1 when none is set (or set to 0 or
 	// null). Each completion may use the whole budget, so Budget
 	// multiplies by it: a body with "n":128 and "max_tokens":1000 may use
 	// 128,000 completion tokens.
@@ -202,6 +208,7 @@ const (
 	budgetMaxTokens = iota
 	budgetMaxCompletionTokens
 	budgetMaxOutputTokens
+	budgetSettings // of a settings object: see settings
 	budgets
 )
 
@@ -290,6 +297,8 @@ func (p *parser) parse() (Request, error) {
 			}
 		case "tools", "functions", "response_format", "output_format":
 			err = p.jsonText()
+		case "options", "parameters", "generationConfig", "generation_config", "inferenceConfig":
+			err = p.settings(&req, &numeric[budgetSettings], &null[budgetSettings])
 		case "text", "output_config":
 			// The Responses API's text.format, Anthropic's
 			// output_config.format (output_format in its beta): a
@@ -330,6 +339,11 @@ func (p *parser) parse() (Request, error) {
 	for b := range budgets {
 		req.budgetSure = req.budgetSure || numeric[b] && !null[b]
 	}
+	if null[budgetSettings] {
+		// Ollama's num_predict -1 (no limit) or -2 (fill the context):
+		// Ollama reads no top-level budget, so none is sure.
+		req.budgetSure = false
+	}
 	if modelStart >= 0 {
 		req.Model = validUTF8(p.unquote(p.body[modelStart:modelEnd]))
 	}
@@ -343,7 +357,8 @@ func (p *parser) parse() (Request, error) {
 var topLevelNames = namesOf("model", "stream", "stream_options", "max_tokens",
 	"max_completion_tokens", "max_output_tokens", "n", "best_of", "messages",
 	"system", "prompt", "input", "inputs", "instructions", "suffix", "tools",
-	"functions", "response_format", "text", "output_config", "output_format")
+	"functions", "response_format", "text", "output_config", "output_format",
+	"options")
 
 // includeUsage is the member of stream_options the estimate reads.
 var includeUsage = namesOf("include_usage")
@@ -944,6 +959,89 @@ func (p *parser) results() error {
 		}
 	}
 	return p.end()
+}
+
+// settings reads the object of generation settings of an API that keeps
+// its budget there: Ollama's options (num_predict), Hugging Face TGI's
+// parameters (max_new_tokens, best_of), Gemini's generationConfig or
+// generation_config (maxOutputTokens or max_output_tokens, candidateCount
+// or candidate_count) and Bedrock Converse's inferenceConfig (maxTokens),
+// as LiteLLM's pass-throughs send them. Any of these members in any of
+// these objects counts. Their servers read numbers more loosely than the
+// top-level budget is read: Ollama takes 1e3 and truncates 100.5, Google's
+// JSON takes "8192"; so a number, or a string that holds one, sets the
+// budget (or the completions per prompt) to its value rounded up, at most
+// MaxCost, and a negative one (Ollama's num_predict -1, no limit, and -2,
+// fill the context) sets none (null: the server's own default, which
+// Budget charges as defaultMax at least); anything else is not read, and
+// is the server's to refuse. numeric and null record the budget as the
+// top-level budget members do.
+func (p *parser) settings(req *Request, numeric, null *bool) error {
+	if p.dec.PeekKind() != '{' {
+		return p.skip()
+	}
+	if err := p.begin(); err != nil {
+		return err
+	}
+	for p.dec.PeekKind() != '}' {
+		name, err := p.memberName()
+		if err != nil {
+			return err
+		}
+		switch string(name) {
+		case "num_predict", "max_new_tokens", "maxOutputTokens", "max_output_tokens", "maxTokens":
+			var n int64
+			var ok, isNull bool
+			if n, ok, isNull, err = p.looseCount(); ok {
+				*numeric = true
+				req.MaxTokens = max(req.MaxTokens, n)
+			}
+			*null = *null || isNull
+		case "candidateCount", "candidate_count", "best_of":
+			var n int64
+			var ok bool
+			if n, ok, _, err = p.looseCount(); ok {
+				req.Choices = max(req.Choices, n)
+			}
+		default:
+			err = p.skip()
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return p.end()
+}
+
+// looseCount reads a count of a settings object (see settings): a number,
+// or a string that holds one, is ok, rounded up to an integer, at most
+// MaxCost; a negative one is isNull, as is null; anything else neither.
+func (p *parser) looseCount() (n int64, ok, isNull bool, err error) {
+	k := p.dec.PeekKind()
+	if k != '0' && k != '"' && k != 'n' {
+		return 0, false, false, p.skip()
+	}
+	raw, err := p.dec.ReadValue()
+	if err != nil {
+		return 0, false, false, syntax(err)
+	}
+	if k == 'n' {
+		return 0, false, true, nil
+	}
+	text := raw
+	if k == '"' {
+		text = bytes.TrimSpace(p.unquote(raw))
+	}
+	f, perr := strconv.ParseFloat(string(text), 64)
+	switch {
+	case perr != nil && !errors.Is(perr, strconv.ErrRange), math.IsNaN(f):
+		return 0, false, false, nil
+	case f < 0:
+		return 0, false, true, nil
+	case f >= MaxCost:
+		return MaxCost, true, false, nil
+	}
+	return int64(math.Ceil(f)), true, false, nil
 }
 
 // textOptions reads the Responses API "text" object: its "format" counts

@@ -145,7 +145,7 @@ func TestParseRequestApprox(t *testing.T) {
 		// generate inputs are what the model reads.
 		{"mistral_conversation_inputs", `{"model":"mistral-medium-latest","inputs":[{"role":"user","content":"abcd"},` +
 			`{"type":"function.result","tool_call_id":"c1","result":"efgh"},{"type":"message.output","role":"assistant","content":"ijkl"}]}`, 1 + 1 + 1, -1},
-		{"tgi_generate_inputs", `{"inputs":"abcdefgh","parameters":{"max_new_tokens":20}}`, 2, -1},
+		{"tgi_generate_inputs", `{"inputs":"abcdefgh","parameters":{"max_new_tokens":20}}`, 2, 20},
 		// Gemini's generateContent (Google AI and Vertex AI, as LiteLLM's
 		// /gemini and /vertex_ai pass-throughs send it): contents and the
 		// system instruction (camelCase or snake_case, as Google's JSON
@@ -574,6 +574,53 @@ func TestBudget(t *testing.T) {
 			t.Errorf("%s: MaxTokens %d, Budget %d, Cost %d; want %d, %d, %d",
 				tc.body, req.MaxTokens, req.Budget(tc.defaultMax), req.Cost(tc.defaultMax), tc.maxTokens, tc.budget, tc.cost)
 		}
+	}
+}
+
+// TestSettingsBudget: the APIs that keep the budget in an object of
+// settings (Ollama's options.num_predict, TGI's parameters.max_new_tokens
+// and best_of, Gemini's generationConfig.maxOutputTokens and
+// candidateCount, Bedrock Converse's inferenceConfig.maxTokens) are
+// charged that budget, as their servers read it, not default_max_tokens
+// (a TGI call of max_new_tokens 4000 was charged 1024, and its answer
+// reports no usage to settle it).
+func TestSettingsBudget(t *testing.T) {
+	for _, tc := range []struct {
+		body      string
+		budget    int64 // with default_max_tokens 1024
+		maxTokens int64
+	}{
+		{`{"inputs":"abcd","parameters":{"max_new_tokens":4000}}`, 4000, 4000},
+		{`{"inputs":"abcd","parameters":{"max_new_tokens":100,"best_of":3}}`, 300, 100},
+		{`{"model":"llama3.2","prompt":"abcd","options":{"temperature":0.1,"num_predict":4000}}`, 4000, 4000},
+		{`{"model":"llama3.2","prompt":"abcd","options":{"num_predict":64}}`, 64, 64},
+		// Ollama reads 1e3 as 1000 and 100.5 as 100: the estimate rounds up.
+		{`{"model":"llama3.2","options":{"num_predict":1e3}}`, 1000, 1000},
+		{`{"model":"llama3.2","options":{"num_predict":100.5}}`, 101, 101},
+		// -1 (no limit) and -2 (fill the context) set none: the default,
+		// even beside a top-level max_tokens that Ollama does not read.
+		{`{"model":"llama3.2","options":{"num_predict":-1}}`, 1024, -1},
+		{`{"model":"llama3.2","max_tokens":10,"options":{"num_predict":-2}}`, 1024, 10},
+		{`{"contents":[],"generationConfig":{"maxOutputTokens":8192,"candidateCount":2}}`, 16384, 8192},
+		{`{"contents":[],"generation_config":{"max_output_tokens":"300","candidate_count":"2"}}`, 600, 300},
+		{`{"messages":[],"inferenceConfig":{"maxTokens":2000}}`, 2000, 2000},
+		// Beside a top-level budget, the larger.
+		{`{"max_tokens":10,"generationConfig":{"maxOutputTokens":50}}`, 50, 50},
+		{`{"options":{"num_predict":1e300}}`, MaxCost, MaxCost},
+		// What no server reads as a count is not read: the default.
+		{`{"options":{"num_predict":"lots"},"parameters":[1],"generationConfig":null}`, 1024, -1},
+	} {
+		req, err := ParseRequest([]byte(tc.body), nil)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.body, err)
+		}
+		if got := req.Budget(1024); got != tc.budget || req.MaxTokens != tc.maxTokens {
+			t.Errorf("%s: Budget %d, MaxTokens %d; want %d, %d", tc.body, got, req.MaxTokens, tc.budget, tc.maxTokens)
+		}
+	}
+	// Ollama (Go's encoding/json) reads "Options" as options.
+	if _, err := ParseRequest([]byte(`{"Options":{"num_predict":4000}}`), nil); !errors.Is(err, ErrInvalidBody) {
+		t.Errorf(`"Options": %v; want invalid`, err)
 	}
 }
 
