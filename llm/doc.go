@@ -65,6 +65,12 @@
 //	systemInstruction,         Gemini's system instruction: an object is
 //	system_instruction         read as a message, anything else as a
 //	                           content value
+//	context                    a content value: Ollama's generate context,
+//	                           the token ids of the exchange before, one
+//	                           token each
+//	images                     MediaPartTokens per item of the array:
+//	                           Ollama's images (base64), in a generate
+//	                           request or in a chat message
 //	messages                   an array of messages (objects or null, else
 //	                           the body is invalid), each read as a part
 //	                           that never counts MediaPartTokens itself

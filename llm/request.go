@@ -297,6 +297,12 @@ func (p *parser) parse() (Request, error) {
 			}
 		case "tools", "functions", "response_format", "output_format":
 			err = p.jsonText()
+		case "context":
+			// Ollama's generate context: the token ids of the exchange
+			// before, which the model reads again, one token each.
+			err = p.content()
+		case "images":
+			err = p.images()
 		case "options", "parameters", "generationConfig", "generation_config", "inferenceConfig":
 			err = p.settings(&req, &numeric[budgetSettings], &null[budgetSettings])
 		case "text", "output_config":
@@ -358,7 +364,7 @@ var topLevelNames = namesOf("model", "stream", "stream_options", "max_tokens",
 	"max_completion_tokens", "max_output_tokens", "n", "best_of", "messages",
 	"system", "prompt", "input", "inputs", "instructions", "suffix", "tools",
 	"functions", "response_format", "text", "output_config", "output_format",
-	"options")
+	"options", "context", "images")
 
 // includeUsage is the member of stream_options the estimate reads.
 var includeUsage = namesOf("include_usage")
@@ -381,7 +387,7 @@ func foldsTo(name []byte, names [][]byte) []byte {
 	if len(name) == 0 {
 		return nil
 	}
-	if c := name[0]; c < utf8.RuneSelf && !strings.ContainsRune("bfimnoprstBFIMNOPRST", rune(c)) {
+	if c := name[0]; c < utf8.RuneSelf && !strings.ContainsRune("bcfimnoprstBCFIMNOPRST", rune(c)) {
 		return nil
 	}
 	for _, n := range names {
@@ -783,6 +789,9 @@ func (p *parser) part(message bool) error {
 		case "role":
 			known = true
 			err = p.skip()
+		case "images":
+			// An Ollama chat message's images.
+			err = p.images()
 		default:
 			err = p.skip()
 		}
@@ -1042,6 +1051,27 @@ func (p *parser) looseCount() (n int64, ok, isNull bool, err error) {
 		return MaxCost, true, false, nil
 	}
 	return int64(math.Ceil(f)), true, false, nil
+}
+
+// images counts an "images" member, Ollama's (a generate request's, a
+// chat message's): MediaPartTokens for each item of an array (an image,
+// base64), whatever its size; anything else counts nothing.
+func (p *parser) images() error {
+	if p.dec.PeekKind() != '[' {
+		return p.skip()
+	}
+	if err := p.begin(); err != nil {
+		return err
+	}
+	for p.dec.PeekKind() != ']' {
+		if p.dec.PeekKind() != 'n' {
+			p.add(MediaPartTokens)
+		}
+		if err := p.skip(); err != nil {
+			return err
+		}
+	}
+	return p.end()
 }
 
 // textOptions reads the Responses API "text" object: its "format" counts

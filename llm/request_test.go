@@ -160,6 +160,15 @@ func TestParseRequestApprox(t *testing.T) {
 			`{"role":"user","parts":[{"functionResponse":{"name":"f","response":{"t":15}}},{"codeExecutionResult":{"outcome":"OUTCOME_OK","output":"1234"}},` +
 			`{"fileData":{"mimeType":"application/pdf","fileUri":"gs://b/a.pdf"}},{"text":"abcd"}]}]}`,
 			4 + 2 + 85 + 1 + ap(toolInput) + 1 + 1 + ap(`{"t":15}`) + 1 + 85 + 1, -1},
+		// Ollama's generate: its prompt and system (4 + 8 bytes: 1 + 2), the
+		// token ids of its context (5), and 85 per image, base64, however
+		// long; a chat message's images too.
+		{"ollama_generate", `{"model":"llama3.2","prompt":"abcd","system":"abcdefgh","context":[1,2,3,4,5],` +
+			`"images":["iVBORw0KGgo=","` + strings.Repeat("iVBO", 1000) + `"]}`, 1 + 2 + 5 + 2*85, -1},
+		{"ollama_chat_images", `{"model":"llava","messages":[{"role":"user","content":"abcd","images":["` +
+			strings.Repeat("iVBO", 1000) + `"]}]}`, 1 + 85, -1},
+		{"context_in_another_case", `{"Context":[1,2]}`, -1, 0},
+		{"images_in_another_case", `{"IMAGES":[]}`, -1, 0},
 		{"gemini_snake_case", `{"system_instruction":{"parts":[{"text":"abcdefgh"}]},"contents":[{"parts":[{"text":"abcd"},` +
 			`{"function_call":{"name":"f","args":{}}},{"function_response":{"name":"f","response":"ok"}},{"inline_data":{"data":"AAAA"}}]}]}`,
 			2 + 1 + 1 + ap(`{}`) + 1 + 1 + 85, -1},
