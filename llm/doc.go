@@ -76,7 +76,8 @@
 //	                           that never counts MediaPartTokens itself
 //	tools, functions,          the raw JSON text of the value: function and
 //	response_format,           tool definitions, JSON schemas (Anthropic's
-//	output_format              beta structured output format)
+//	output_format, toolConfig  beta structured output format, Bedrock
+//	                           Converse's tools)
 //	text, output_config        its "format" member, as raw JSON text (the
 //	                           Responses API's and Anthropic's structured
 //	                           output schema)
@@ -123,7 +124,7 @@
 //	title, context, query,     of messages, tools and functions called
 //	pattern, reason, error,    (short: they count as any text, which is
 //	error_message, args,       never low), a code_interpreter_call's code
-//	response                   and its logs, a shell_call_output's stdout
+//	response, json             and its logs, a shell_call_output's stdout
 //	                           and stderr (and an Anthropic code execution
 //	                           result's), an apply_patch_call's diff, the
 //	                           title and context of an Anthropic document
@@ -133,7 +134,8 @@
 //	                           mcp_call's or mcp_list_tools item's error,
 //	                           an Anthropic text editor error's message, a
 //	                           Gemini function call's args and function
-//	                           response's response
+//	                           response's response, a Bedrock tool
+//	                           result's json
 //	action, actions,           an object read as a message, so that only
 //	operation                  its text counts (a shell_call's or
 //	                           local_shell_call's action, an
@@ -152,9 +154,12 @@
 //	functionResponse,          a chat custom tool call: name, input;
 //	function_response,         Gemini's function call: name, args, its
 //	executableCode,            response: name, response, its code and the
-//	executable_code,           code's result: code, output)
-//	codeExecutionResult,
-//	code_execution_result
+//	executable_code,           code's result: code, output; Bedrock
+//	codeExecutionResult,       Converse's tool use: name, input, its tool
+//	code_execution_result,     result: content, and reasoning: text)
+//	toolUse, toolResult,
+//	reasoningContent,
+//	reasoningText
 //	source                     a string is one text (an Anthropic search
 //	                           result's source), anything but an object its
 //	                           raw JSON text; an object: the "data" of a

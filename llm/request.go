@@ -295,7 +295,7 @@ func (p *parser) parse() (Request, error) {
 			} else {
 				err = p.content()
 			}
-		case "tools", "functions", "response_format", "output_format":
+		case "tools", "functions", "response_format", "output_format", "toolConfig":
 			err = p.jsonText()
 		case "context":
 			// Ollama's generate context: the token ids of the exchange
@@ -746,7 +746,7 @@ func (p *parser) part(message bool) error {
 			err = p.jsonText()
 		case "input", "arguments", "name", "refusal", "thinking", "code", "logs",
 			"stdout", "stderr", "diff", "title", "context", "query", "pattern",
-			"reason", "error", "error_message", "args", "response":
+			"reason", "error", "error_message", "args", "response", "json":
 			known = true
 			err = p.strOrJSON()
 		case "results":
@@ -773,7 +773,8 @@ func (p *parser) part(message bool) error {
 			mediaSource = mediaSource || other
 		case "function", "function_call", "custom", "functionCall", "functionResponse",
 			"function_response", "executableCode", "executable_code",
-			"codeExecutionResult", "code_execution_result":
+			"codeExecutionResult", "code_execution_result",
+			"toolUse", "toolResult", "reasoningContent", "reasoningText":
 			known = true
 			if p.dec.PeekKind() == '{' {
 				err = p.part(true)

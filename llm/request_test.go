@@ -28,6 +28,8 @@ const (
 	// An Anthropic tool_addition's tool, and a tool_removal's.
 	toolAddition  = `{"type":"tool_definition","definition":{"name":"lookup","description":"Looks a word up.","input_schema":{"type":"object"}}}`
 	toolReference = `{"type":"tool_reference","name":"old"}`
+	// Bedrock Converse's toolConfig.
+	bedrockTools = `{"tools":[{"toolSpec":{"name":"f","description":"Weather","inputSchema":{"json":{"type":"object"}}}}]}`
 )
 
 // TestParseRequestApprox: exact estimates under Approx, ⌈bytes/4⌉ per
@@ -160,6 +162,18 @@ func TestParseRequestApprox(t *testing.T) {
 			`{"role":"user","parts":[{"functionResponse":{"name":"f","response":{"t":15}}},{"codeExecutionResult":{"outcome":"OUTCOME_OK","output":"1234"}},` +
 			`{"fileData":{"mimeType":"application/pdf","fileUri":"gs://b/a.pdf"}},{"text":"abcd"}]}]}`,
 			4 + 2 + 85 + 1 + ap(toolInput) + 1 + 1 + ap(`{"t":15}`) + 1 + 85 + 1, -1},
+		// Bedrock Converse (LiteLLM's /bedrock pass-through): system and
+		// message texts (8 + 4 + 4 bytes: 2 + 1 + 1), a tool use's name and
+		// input (1 + ap), a tool result's text and JSON (4,000 bytes:
+		// 1,000; ap: it was one media part of 85),
+		// reasoning text (4: 1), the tool definitions of toolConfig; an
+		// image is one media part. Its budget is inferenceConfig.maxTokens.
+		{"bedrock_converse", `{"system":[{"text":"abcdefgh"}],"inferenceConfig":{"maxTokens":300},"toolConfig":` + bedrockTools + `,` +
+			`"messages":[{"role":"user","content":[{"text":"abcd"},{"image":{"format":"png","source":{"bytes":"iVBORw0KGgo="}}}]},` +
+			`{"role":"assistant","content":[{"reasoningContent":{"reasoningText":{"text":"hmm.","signature":"s"}}},` +
+			`{"toolUse":{"toolUseId":"t1","name":"f","input":` + toolInput + `}}]},` +
+			`{"role":"user","content":[{"toolResult":{"toolUseId":"t1","content":[{"text":"` + strings.Repeat("abcd", 1000) + `"},{"json":{"t":15}}]}}]}]}`,
+			2 + ap(bedrockTools) + 1 + 85 + 1 + 1 + ap(toolInput) + 1000 + ap(`{"t":15}`), 300},
 		// Ollama's generate: its prompt and system (4 + 8 bytes: 1 + 2), the
 		// token ids of its context (5), and 85 per image, base64, however
 		// long; a chat message's images too.

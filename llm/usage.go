@@ -56,6 +56,11 @@ const MaxUsageObject = 4 << 10
 // counts as top-level members of the answer, or of a stream's last line:
 // InputTokens is prompt_eval_count, OutputTokens eval_count.
 //
+// Bedrock's Converse API (as LiteLLM's /bedrock pass-through answers it,
+// https://docs.aws.amazon.com/bedrock/latest/APIReference/API_runtime_TokenUsage.html)
+// names them in its usage object inputTokens, outputTokens,
+// cacheWriteInputTokens, cacheReadInputTokens and totalTokens.
+//
 // A field the provider reports as null counts as not reported.
 type Usage struct {
 	InputTokens              int64
@@ -597,15 +602,15 @@ func fieldOf(name []byte, gemini bool) int {
 		return -1
 	}
 	switch string(s) {
-	case "prompt_tokens", "input_tokens":
+	case "prompt_tokens", "input_tokens", "inputTokens":
 		return fieldInput
-	case "completion_tokens", "output_tokens":
+	case "completion_tokens", "output_tokens", "outputTokens":
 		return fieldOutput
-	case "cache_creation_input_tokens":
+	case "cache_creation_input_tokens", "cacheWriteInputTokens":
 		return fieldCacheCreation
-	case "cache_read_input_tokens":
+	case "cache_read_input_tokens", "cacheReadInputTokens":
 		return fieldCacheRead
-	case "total_tokens":
+	case "total_tokens", "totalTokens":
 		return fieldTotal
 	}
 	return -1

@@ -254,7 +254,8 @@ const (
 )
 
 // TestUsageOtherUpstreams: the usage that Gemini (usageMetadata, in a JSON
-// body and in each event of an alt=sse stream) and Ollama's native API
+// body and in each event of an alt=sse stream), Bedrock Converse (its
+// camelCase usage object) and Ollama's native API
 // (prompt_eval_count and eval_count, in a JSON body and in the last line
 // of a newline-delimited JSON stream) report is read exactly, however the
 // body is split. Before, all of them were NotReported: the estimate
@@ -296,6 +297,11 @@ func TestUsageOtherUpstreams(t *testing.T) {
 		{"ollama_count_fraction", "application/json", `{"eval_count":1.5}`, Usage{}, Invalid, 0},
 		{"ollama_count_string", "application/json", `{"eval_count":"12"}`, Usage{}, Invalid, 0},
 		{"ollama_count_null", "application/json", `{"eval_count":null}`, Usage{}, NotReported, 0},
+		// Bedrock Converse's usage, camelCase.
+		{"bedrock_converse_json", "application/json", `{"output":{"message":{"role":"assistant","content":[{"text":"Hi."}]}},` +
+			`"stopReason":"end_turn","usage":{"inputTokens":30,"outputTokens":12,"totalTokens":542,` +
+			`"cacheReadInputTokens":400,"cacheWriteInputTokens":100},"metrics":{"latencyMs":800}}`,
+			Usage{InputTokens: 30, OutputTokens: 12, CacheReadInputTokens: 400, CacheCreationInputTokens: 100, TotalTokens: 542}, Found, 542},
 		// An NDJSON line that is not an object ends at its newline.
 		{"ndjson_broken_line", ndjson, "\"abc\n{\"eval_count\":7}\n", Usage{OutputTokens: 7}, Found, 7},
 	} {
