@@ -232,7 +232,7 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		defaultMax = 0
 	}
 	est := tokenEstimate{prompt: req.PromptTokens, completion: req.Budget(defaultMax), model: req.Model, read: true}
-	if streamUsage && req.NeedsStreamUsage() && includesUsage(urlPath) {
+	if streamUsage && req.NeedsStreamUsage() && includesUsage(urlPath) && !oldAzureVersion(r.URL.Query()) {
 		if out, changed, err := llm.WithStreamUsage(body, req); err == nil && changed {
 			setBody(r, out)
 			// The usage chunk is cut out of the stream on its way back,
@@ -689,9 +689,34 @@ func (e *Estimate) formCallEstimate(r *http.Request, urlPath string, body []byte
 // reports usage with stream_options.include_usage: OpenAI's (and the
 // compatible APIs') chat completions and completions. Anthropic's messages
 // reject members they do not know, and the Responses API reports usage in
-// every stream, so their bodies are never changed.
+// every stream, so their bodies are never changed. Nor are those of
+// Mistral's own completions, its FIM (/fim/completions, the SDK's
+// fim.complete) and agents (/agents/completions, agents.complete):
+// Mistral refuses a stream_options member with 422 extra_forbidden ("Extra
+// inputs are not permitted"), and reports usage in the last chunk of
+// every stream.
 func includesUsage(path string) bool {
-	return strings.HasSuffix(path, "/completions") // chat completions too
+	return strings.HasSuffix(path, "/completions") && // chat completions too
+		!strings.HasSuffix(path, "/fim/completions") && !strings.HasSuffix(path, "/agents/completions")
+}
+
+// oldAzureVersion reports whether a request's query names an Azure
+// OpenAI api-version older than 2024-09-01 (2024-06-01,
+// 2024-08-01-preview): those answer a stream_options member 400
+// "Unrecognized request argument supplied: stream_options" (or "Unknown
+// parameter"); Azure takes it from 2024-09-01-preview and the GA
+// 2024-10-21 on. Such a stream is sent as it came, and keeps its
+// estimate. A version that is not a date (Azure's v1 API has none) is not
+// old.
+func oldAzureVersion(q url.Values) bool {
+	for _, v := range q["api-version"] {
+		if len(v) >= len("2006-01-02") {
+			if _, err := time.Parse("2006-01-02", v[:10]); err == nil && v[:10] < "2024-09-01" {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // setBody makes body r's body, with its Content-Length.

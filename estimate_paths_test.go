@@ -318,3 +318,71 @@ func TestEstimateAgentNamesOnlyAfterV1(t *testing.T) {
 		}
 	}
 }
+
+// TestIncludeUsageNotForMistral: with settle { include_usage }, a stream
+// to Mistral's FIM or agents completions is sent as it came, since
+// Mistral answers a stream_options member 422 extra_forbidden (and
+// reports usage in every stream); it used to be rewritten, and every such
+// stream failed. A chat completions stream is still rewritten.
+func TestIncludeUsageNotForMistral(t *testing.T) {
+	e := &Estimate{}
+	if err := e.provision(); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		path, body string
+		rewritten  bool
+	}{
+		{"/v1/fim/completions", `{"model":"codestral-latest","prompt":"def f(","suffix":"return 1","stream":true}`, false},
+		{"/v1/agents/completions", `{"agent_id":"ag_abc","messages":[{"role":"user","content":"abcd"}],"stream":true}`, false},
+		{"/v1/chat/completions", `{"model":"mistral-large-latest","messages":[{"role":"user","content":"abcd"}],"stream":true}`, true},
+		{"/v1/completions", `{"model":"gpt-3.5-turbo-instruct","prompt":"abcd","stream":true}`, true},
+	} {
+		req := httptest.NewRequest(http.MethodPost, tc.path, strings.NewReader(tc.body))
+		est, err := e.estimate(httptest.NewRecorder(), req, true)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.path, err)
+		}
+		body, _ := io.ReadAll(req.Body)
+		changed := string(body) != tc.body
+		if est.streamUsage != tc.rewritten || changed != tc.rewritten {
+			t.Errorf("%s: streamUsage %v, body %s; want rewritten %v", tc.path, est.streamUsage, body, tc.rewritten)
+		}
+	}
+}
+
+// TestIncludeUsageNotForOldAzure: with settle { include_usage }, a stream
+// to an Azure OpenAI api-version before 2024-09-01, which answers a
+// stream_options member 400 "Unrecognized request argument supplied", is
+// sent as it came (it used to be rewritten, and every such stream
+// failed); from 2024-09-01-preview on, and without an api-version, it is
+// rewritten.
+func TestIncludeUsageNotForOldAzure(t *testing.T) {
+	e := &Estimate{}
+	if err := e.provision(); err != nil {
+		t.Fatal(err)
+	}
+	const body = `{"messages":[{"role":"user","content":"abcd"}],"stream":true}`
+	for _, tc := range []struct {
+		url       string
+		rewritten bool
+	}{
+		{"/openai/deployments/gpt-4o/chat/completions?api-version=2024-06-01", false},
+		{"/openai/deployments/gpt-4o/chat/completions?api-version=2024-08-01-preview", false},
+		{"/openai/deployments/gpt-4o/chat/completions?api-version=2023-05-15", false},
+		{"/openai/deployments/gpt-4o/chat/completions?api-version=2024-09-01-preview", true},
+		{"/openai/deployments/gpt-4o/chat/completions?api-version=2024-10-21", true},
+		{"/openai/deployments/gpt-4o/chat/completions?api-version=latest", true},
+		{"/openai/v1/chat/completions", true},
+	} {
+		req := httptest.NewRequest(http.MethodPost, tc.url, strings.NewReader(body))
+		est, err := e.estimate(httptest.NewRecorder(), req, true)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.url, err)
+		}
+		got, _ := io.ReadAll(req.Body)
+		if est.streamUsage != tc.rewritten || (string(got) != body) != tc.rewritten {
+			t.Errorf("%s: streamUsage %v, body %s; want rewritten %v", tc.url, est.streamUsage, got, tc.rewritten)
+		}
+	}
+}
