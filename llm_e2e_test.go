@@ -1460,8 +1460,9 @@ func TestCompletesAndUploads(t *testing.T) {
 }
 
 // TestFailuresThatMayHaveRunKeepTheEstimate: an answer that says the
-// model did not run (a 503 with OpenAI's error object, a 429 in any shape,
-// here Azure API Management's) gives the estimate back, unless settle {
+// model did not run (a 503 with OpenAI's error object, a 422 with
+// Mistral's, a 429 in any shape, here Azure API Management's) gives the
+// estimate back, unless settle {
 // keep_failed } says to keep it; a failure that may have come after the
 // model ran keeps it:
 // reverse_proxy's 502 (it cannot tell whether an earlier try of lb_retries
@@ -1483,6 +1484,12 @@ func TestFailuresThatMayHaveRunKeepTheEstimate(t *testing.T) {
 			w.Header().Set("Content-Type", "application/json")
 			w.WriteHeader(http.StatusServiceUnavailable)
 			_, _ = io.WriteString(w, `{"error":{"message":"The engine is currently overloaded, please try again later","type":"server_error","param":null,"code":null}}`)
+		case "/mistral422/v1/chat/completions":
+			// Mistral's (and vLLM's) error shape: "object":"error".
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusUnprocessableEntity)
+			_, _ = io.WriteString(w, `{"object":"error","message":{"detail":[{"type":"extra_forbidden","loc":["body","frequency_penalty"],`+
+				`"msg":"Extra inputs are not permitted","input":0.0}]},"type":"invalid_request_error","param":null,"code":null}`)
 		case "/envoy503/v1/chat/completions":
 			http.Error(w, "upstream connect error or disconnect/reset before headers. reset reason: connection termination", http.StatusServiceUnavailable)
 		case "/html500/v1/chat/completions":
@@ -1535,6 +1542,7 @@ func TestFailuresThatMayHaveRunKeepTheEstimate(t *testing.T) {
 		{"html500/v1/chat/completions", http.StatusInternalServerError, true},
 		{"503/v1/chat/completions", http.StatusServiceUnavailable, false},
 		{"apim429/v1/chat/completions", http.StatusTooManyRequests, false},
+		{"mistral422/v1/chat/completions", http.StatusUnprocessableEntity, false},
 		{"keep/503/v1/chat/completions", http.StatusServiceUnavailable, true},
 	} {
 		user := strings.ReplaceAll(tc.path, "/", "-")

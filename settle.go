@@ -140,7 +140,8 @@ func (rec *usageRecorder) Write(p []byte) (int, error) {
 // 429 (too many requests: refused before it ran, by the provider or a
 // proxy before it, as Azure API Management's) or Anthropic's 529
 // overloaded_error, whatever their body; or another error status with the
-// provider's own error object (see llm.UsageReader.ErrorObject), which
+// provider's own error object (see llm.UsageReader.ErrorObject: OpenAI's,
+// Anthropic's, Mistral's and vLLM's shapes), which
 // says it did not run it. OpenAI and Anthropic bill no request that fails,
 // and the SDKs retry 409, 429 and 5xx twice by default, so an estimate kept
 // for each would charge one failed call three times. A proxy between the

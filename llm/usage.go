@@ -323,7 +323,10 @@ func (r *UsageReader) Result() (Usage, Status) {
 
 // ErrorObject reports whether the body is a JSON object with a top-level
 // "error" member: the error shape of OpenAI's API, Anthropic's
-// ({"type":"error","error":{...}}) and the APIs that follow them, and not
+// ({"type":"error","error":{...}}) and the APIs that follow them; or with
+// a top-level "object" member whose value is "error": Mistral's
+// ({"object":"error","message":...,"type":"invalid_request_error"}) and
+// vLLM's (before it took OpenAI's shape); and not
 // the page of a proxy in between (HTML, plain text). It reads the body as
 // far as it was written, and for a compressed body as far as Result last
 // decoded it: call it after Result. An event stream is never one; of a

@@ -43,8 +43,10 @@ type jsonScan struct {
 	capDepth  int  // the depth of its member
 	capMember int  // its member: memberUsage, memberUsageMetadata, memberPromptEval or memberEval
 
-	errorTop  bool // the top-level object has an "error" member
+	errorTop  bool // the top-level object has an "error" member, or "object":"error"
 	errorNext bool // the next value is the top-level "error" member's
+	objNext   bool // the next value is the top-level "object" member's
+	inObjVal  bool // reading the string value of the top-level "object" member
 	errorObj  bool // the top-level "error" member's value is an object
 }
 
@@ -64,6 +66,7 @@ const (
 	memberUsageMetadata // Gemini's usage, top-level only
 	memberPromptEval    // Ollama's prompt_eval_count, top-level only
 	memberEval          // Ollama's eval_count, top-level only
+	memberObject        // "object": an error's when its value is "error"
 )
 
 func (s *jsonScan) reset(paths bool) {
@@ -86,7 +89,7 @@ func (s *jsonScan) feed(b *usageBody, p []byte) {
 				seg := p[i:]
 				run := trailingBackslashes(seg)
 				s.esc = (s.esc && run == len(seg)) != (run&1 == 1)
-				if s.inName {
+				if s.inName || s.inObjVal {
 					s.nameAppend(seg)
 				}
 				i = len(p)
@@ -96,7 +99,7 @@ func (s *jsonScan) feed(b *usageBody, p []byte) {
 			run := trailingBackslashes(seg)
 			escaped := (s.esc && run == j) != (run&1 == 1)
 			s.esc = false
-			if s.inName {
+			if s.inName || s.inObjVal {
 				s.nameAppend(p[i : i+j+1])
 			}
 			i += j + 1
@@ -118,11 +121,16 @@ func (s *jsonScan) feed(b *usageBody, p []byte) {
 			if s.want {
 				s.want, s.inName, s.nameN = false, true, 0
 				s.nameAppend(p[i : i+1])
+			} else if s.objNext {
+				s.inObjVal, s.nameN = true, 0
+				s.nameAppend(p[i : i+1])
 			}
+			s.objNext = false
 		case '{', '[':
 			if s.errorNext {
 				s.errorNext, s.errorObj = false, c == '{'
 			}
+			s.objNext = false
 			if s.depth == 0 {
 				if c == '[' {
 					s.done = true
@@ -164,15 +172,16 @@ func (s *jsonScan) feed(b *usageBody, p []byte) {
 			}
 		case ':':
 			if !s.capturing && (s.member == memberUsage && s.tracked() ||
-				s.depth == 1 && s.member >= memberUsageMetadata) {
+				s.depth == 1 && (s.member == memberUsageMetadata || s.member == memberPromptEval || s.member == memberEval)) {
 				s.capturing, s.capDepth, s.capMember, capStart = true, s.depth, s.member, i+1
 			}
 			s.errorNext = s.member == memberError && s.depth == 1
+			s.objNext = s.member == memberObject && s.depth == 1
 		default:
 			if s.depth == 0 {
 				s.done = true // not an object
 			}
-			s.errorNext = false // null, false, a number
+			s.errorNext, s.objNext = false, false // null, false, a number
 		}
 		i++
 	}
@@ -184,6 +193,18 @@ func (s *jsonScan) feed(b *usageBody, p []byte) {
 // closeString ends the string being read.
 func (s *jsonScan) closeString() {
 	s.inStr = false
+	if s.inObjVal {
+		// "object":"error": the error shape of Mistral's API and of
+		// vLLM's (before its OpenAI-shaped one), which have no "error"
+		// member.
+		s.inObjVal = false
+		if s.nameN <= len(s.name) {
+			var buf [maxName]byte
+			v, err := jsontext.AppendUnquote(buf[:0], s.name[:s.nameN])
+			s.errorTop = s.errorTop || err == nil && string(v) == "error"
+		}
+		return
+	}
 	if s.inName {
 		s.inName = false
 		s.member = s.nameIs()
@@ -229,7 +250,7 @@ func (s *jsonScan) nameIs() int {
 	}
 	raw := s.name[:s.nameN]
 	switch n := len(raw); {
-	case n == len(`"usage"`), n == len(`"message"`), n == len(`"response"`):
+	case n == len(`"usage"`), n == len(`"message"`), n == len(`"response"`), n == len(`"object"`):
 	case n < len(`"\u0075sage"`):
 		return memberOther // too short to have an escape, not one of ours
 	}
@@ -253,6 +274,8 @@ func (s *jsonScan) nameIs() int {
 		return memberResponse
 	case "error":
 		return memberError
+	case "object":
+		return memberObject
 	case "usageMetadata":
 		return memberUsageMetadata
 	case "prompt_eval_count":

@@ -688,6 +688,19 @@ func TestErrorObject(t *testing.T) {
 		{"envoy", "text/plain", "upstream connect error or disconnect/reset before headers. reset reason: connection termination", false},
 		{"nginx", "text/html", "<html><head><title>502 Bad Gateway</title></head></html>", false},
 		{"event_stream", sse, "data: {\"error\":{\"message\":\"x\"}}\n\n", false},
+		// Mistral's and vLLM's error shape: "object":"error", no "error"
+		// member (a 422 to a stream_options member, a prompt over the
+		// context); they used to keep their estimate.
+		{"mistral", "application/json", `{"object":"error","message":{"detail":[{"type":"extra_forbidden","loc":["body","stream_options",` +
+			`"include_usage"],"msg":"Extra inputs are not permitted","input":true}]},"type":"invalid_request_error","param":null,"code":null}`, true},
+		{"vllm", "application/json", `{"object":"error","message":"This model's maximum context length is 8192 tokens. However, you requested ` +
+			`9000 tokens.","type":"BadRequestError","param":null,"code":400}`, true},
+		{"object_error_escaped", "application/json", `{"type":"x","object":"\u0065rror"}`, true},
+		{"object_other", "application/json", `{"object":"chat.completion","choices":[]}`, false},
+		{"object_error_nested", "application/json", `{"data":{"object":"error"}}`, false},
+		{"object_error_in_a_string", "application/json", `{"message":"\"object\":\"error\""}`, false},
+		{"object_not_a_string", "application/json", `{"object":["error"]}`, false},
+		{"object_error_member_name", "application/json", `{"object":"x","error_x":"error"}`, false},
 	} {
 		wantReadAs(t, tc.name, tc.contentType, tc.body, []int{0, 1, 3, 9}, tc.want, (*UsageReader).ErrorObject)
 	}
