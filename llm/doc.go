@@ -65,6 +65,12 @@
 //	systemInstruction,         Gemini's system instruction: an object is
 //	system_instruction         read as a message, anything else as a
 //	                           content value
+//	query                      a content value: a rerank's query (Cohere's,
+//	                           vLLM's)
+//	documents                  an array's strings are texts and its other
+//	                           items their raw JSON text; anything else a
+//	                           content value: a rerank's documents, a
+//	                           grounded chat's (Cohere's, vLLM's)
 //	context                    a content value: Ollama's generate context,
 //	                           the token ids of the exchange before, one
 //	                           token each

@@ -297,6 +297,12 @@ func (p *parser) parse() (Request, error) {
 			}
 		case "tools", "functions", "response_format", "output_format", "toolConfig":
 			err = p.jsonText()
+		case "query":
+			// A rerank's query (Cohere's, vLLM's /rerank, as LiteLLM
+			// serves them).
+			err = p.content()
+		case "documents":
+			err = p.documents()
 		case "context":
 			// Ollama's generate context: the token ids of the exchange
 			// before, which the model reads again, one token each.
@@ -1052,6 +1058,29 @@ func (p *parser) looseCount() (n int64, ok, isNull bool, err error) {
 		return MaxCost, true, false, nil
 	}
 	return int64(math.Ceil(f)), true, false, nil
+}
+
+// documents counts a "documents" member: the documents of a rerank
+// (Cohere's /v2/rerank, vLLM's /rerank and /v1/rerank) or of a chat that
+// grounds its answer on them (Cohere's chat, vLLM's chat completions, which
+// put them in the prompt). A string is one text; an array's strings are
+// texts, and its other items (Cohere's {"text":...} or {"data":{...}},
+// {"title":...,"snippet":...}) count as their raw JSON text, since the
+// model reads whichever of their members its API takes; anything else
+// counts as a content value.
+func (p *parser) documents() error {
+	if p.dec.PeekKind() != '[' {
+		return p.content()
+	}
+	if err := p.begin(); err != nil {
+		return err
+	}
+	for p.dec.PeekKind() != ']' {
+		if err := p.strOrJSON(); err != nil {
+			return err
+		}
+	}
+	return p.end()
 }
 
 // images counts an "images" member, Ollama's (a generate request's, a

@@ -162,6 +162,14 @@ func TestParseRequestApprox(t *testing.T) {
 			`{"role":"user","parts":[{"functionResponse":{"name":"f","response":{"t":15}}},{"codeExecutionResult":{"outcome":"OUTCOME_OK","output":"1234"}},` +
 			`{"fileData":{"mimeType":"application/pdf","fileUri":"gs://b/a.pdf"}},{"text":"abcd"}]}]}`,
 			4 + 2 + 85 + 1 + ap(toolInput) + 1 + 1 + ap(`{"t":15}`) + 1 + 85 + 1, -1},
+		// A rerank (Cohere's, vLLM's /rerank): its query (8 bytes: 2) and
+		// documents, strings (4,000 bytes: 1,000 each) or objects (their
+		// JSON text), which it used to skip. A chat's documents (Cohere's,
+		// vLLM's) are in its prompt too.
+		{"rerank", `{"model":"rerank-v3.5","query":"abcdefgh","top_n":1,"documents":["` + strings.Repeat("abcd", 1000) + `","` +
+			strings.Repeat("abcd", 1000) + `",{"text":"abcd"}]}`, 2 + 1000 + 1000 + ap(`{"text":"abcd"}`), -1},
+		{"chat_documents", `{"messages":[{"role":"user","content":"abcd"}],"documents":[{"title":"T","snippet":"` +
+			strings.Repeat("abcd", 100) + `"}]}`, 1 + ap(`{"title":"T","snippet":"`+strings.Repeat("abcd", 100)+`"}`), -1},
 		// Bedrock Converse (LiteLLM's /bedrock pass-through): system and
 		// message texts (8 + 4 + 4 bytes: 2 + 1 + 1), a tool use's name and
 		// input (1 + ap), a tool result's text and JSON (4,000 bytes:
