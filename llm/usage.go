@@ -75,6 +75,9 @@ type Usage struct {
 	// are final, but its output_tokens is the count at the start of the
 	// answer (typically 1), not the final one, which only message_delta
 	// carries. A stream cut between the two ends with a Partial usage.
+	// So is a Gemini stream's usage when the last event that reported it
+	// had no candidatesTokenCount: the events before the last report the
+	// prompt's count and a total without the answer's.
 	Partial bool
 }
 
@@ -552,7 +555,10 @@ func (b *usageBody) report(where int) {
 		}
 	}
 	t.set |= f.set
-	t.partial = where == usageMessage
+	// A floor: Anthropic's message_start, or a Gemini stream's event
+	// before its last (only its last reports candidatesTokenCount; the
+	// ones before report the prompt, and a total without the answer).
+	t.partial = where == usageMessage || where == usageGemini && b.sse && f.set&(1<<fieldOutput) == 0
 }
 
 // The counts of a usage object.

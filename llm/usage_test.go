@@ -271,6 +271,9 @@ func TestUsageOtherUpstreams(t *testing.T) {
 			Usage{InputTokens: 8, OutputTokens: 12, OtherTokens: 405}, Found, 425},
 		{"gemini_stream", sse, geminiStream,
 			Usage{InputTokens: 8, OutputTokens: 30, OtherTokens: 100, TotalTokens: 138}, Found, 138},
+		// Cut before its last event: the prompt's count, a floor.
+		{"gemini_stream_cut", sse, geminiStream[:strings.LastIndex(geminiStream, "data:")],
+			Usage{InputTokens: 8, TotalTokens: 8, Partial: true}, Found, 8},
 		{"ollama_chat_json", "application/json; charset=utf-8", ollamaChatJSON,
 			Usage{InputTokens: 26, OutputTokens: 298}, Found, 324},
 		{"ollama_chat_stream", ndjson, ollamaChatStream, Usage{InputTokens: 26, OutputTokens: 282}, Found, 308},
