@@ -45,7 +45,8 @@ const (
 // code, logs and file search results of Responses API items), the text of
 // Anthropic documents of plain text or content blocks, 85 per image or
 // file part), plus the completion budget: the body's
-// max_completion_tokens, max_tokens or max_output_tokens, else
+// max_completion_tokens, max_tokens or max_output_tokens (or the budget
+// Ollama, TGI, Gemini and Bedrock keep in their settings), else
 // DefaultMaxTokens (none for embeddings and moderations), times the
 // completions asked for each prompt (n, best_of) and the prompts of a
 // legacy completions prompt array. The charge is capped so that a request
