@@ -364,10 +364,11 @@ func storesObjects(path string) bool {
 // /v1/conversations/<id>/restart, with the model's inputs (and a model or
 // an agent), where OpenAI's conversations.create, update and items.create
 // send items and metadata, which the estimate does not count. So a body
-// with a model or with text the estimate counts (Mistral's inputs) is no
-// stored object there.
+// with a model, with text the estimate counts, or with Mistral's inputs
+// at all (an append of an empty function result runs the model on the
+// whole stored conversation) is no stored object there.
 func startsConversation(path string, req llm.Request) bool {
-	if req.Model == "" && req.PromptTokens == 0 {
+	if req.Model == "" && req.PromptTokens == 0 && !req.Inputs {
 		return false
 	}
 	for seg := range strings.SplitSeq(path, "/") {

@@ -461,6 +461,12 @@ func TestEstimateStoredObjects(t *testing.T) {
 		{"mistral_conversation_agent", "/v1/conversations", `{"agent_id":"ag_abc","inputs":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
 		{"mistral_conversation_append", "/v1/conversations/conv_abc", `{"inputs":` + text + `,"stream":false}`, 11 + 1024},
 		{"mistral_conversation_restart", "/v1/conversations/conv_abc/restart", `{"inputs":` + text + `,"from_entry_id":"msg_abc"}`, 11 + 1024},
+		// An append whose inputs hold no text the estimate counts (an empty
+		// function result, an empty message) runs the model all the same,
+		// on the whole stored conversation: estimated and settled, not free.
+		{"mistral_conversation_append_empty_result", "/v1/conversations/conv_abc",
+			`{"inputs":[{"type":"function.result","tool_call_id":"call_1","result":""}],"stream":false}`, 1024},
+		{"mistral_conversation_append_empty", "/v1/conversations/conv_abc", `{"inputs":""}`, 1024},
 		{"chat_completion_metadata", "/v1/chat/completions/chatcmpl-abc", `{"metadata":{"topic":"billing"}}`, -1},
 		{"run", "/v1/threads/thread_abc/runs", `{"assistant_id":"asst_abc","additional_instructions":` + text + `}`, 1024},
 		{"thread_and_run", "/v1/threads/runs", `{"assistant_id":"asst_abc","thread":{"messages":[{"role":"user","content":` + text + `}]}}`, 1024},

@@ -59,6 +59,11 @@ type Request struct {
 	Model string
 	// Stream is true when the "stream" member is true.
 	Stream bool
+	// Inputs is true when the body has an "inputs" member, whatever its
+	// value: Mistral's conversations run the model on a body that has one,
+	// even when its entries hold no text the estimate counts (an empty
+	// function result).
+	Inputs bool
 	// IncludeUsage is true when the last "stream_options" member is an
 	// object whose last "include_usage" member is true.
 	IncludeUsage bool
@@ -286,6 +291,7 @@ func (p *parser) parse() (Request, error) {
 				req.Prompts = max(req.Prompts, n)
 			}
 		case "system", "input", "inputs", "instructions", "suffix", "contents":
+			req.Inputs = req.Inputs || string(name) == "inputs"
 			err = p.content()
 		case "systemInstruction", "system_instruction":
 			// Gemini's system instruction, one Content ({"parts":[...]}),
