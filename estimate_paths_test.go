@@ -386,3 +386,48 @@ func TestIncludeUsageNotForOldAzure(t *testing.T) {
 		}
 	}
 }
+
+// TestEstimateOtherUpstreams: the model calls of the popular upstreams
+// behind the gateway (LiteLLM, vLLM, Ollama, Hugging Face TGI, Mistral,
+// Azure OpenAI, Gemini, Bedrock through LiteLLM) are estimated from the
+// fields each reads and settled: none is free under a path rule, each
+// counts its prompt (11 tokens) and its budget.
+func TestEstimateOtherUpstreams(t *testing.T) {
+	e := &Estimate{}
+	if err := e.provision(); err != nil {
+		t.Fatal(err)
+	}
+	const text = `"Write a 3,000-word essay on rate limiting."` // 11 tokens
+	for _, tc := range []struct {
+		name, path, body string
+		want             int64
+	}{
+		{"ollama_chat", "/api/chat", `{"model":"llama3.2","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"ollama_generate", "/api/generate", `{"model":"llama3.2","prompt":` + text + `,"options":{"num_predict":100}}`, 11 + 100},
+		{"ollama_embed", "/api/embed", `{"model":"all-minilm","input":` + text + `}`, 11},
+		{"ollama_openai", "/v1/chat/completions", `{"model":"llama3.2","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"tgi_generate", "/generate", `{"inputs":` + text + `,"parameters":{"max_new_tokens":100}}`, 11 + 100},
+		{"tgi_generate_stream", "/generate_stream", `{"inputs":` + text + `,"parameters":{"max_new_tokens":100,"best_of":2}}`, 11 + 200},
+		{"mistral_fim", "/v1/fim/completions", `{"model":"codestral-latest","prompt":` + text + `,"suffix":` + text + `,"max_tokens":100}`, 22 + 100},
+		{"mistral_agents", "/v1/agents/completions", `{"agent_id":"ag_abc","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"mistral_conversation", "/v1/conversations", `{"agent_id":"ag_abc","inputs":` + text + `}`, 11 + 1024},
+		{"azure", "/openai/deployments/gpt-4o/chat/completions", `{"messages":[{"role":"user","content":` + text + `}],"max_tokens":100}`, 11 + 100},
+		{"gemini_openai", "/v1beta/openai/chat/completions", `{"model":"gemini-2.5-flash","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"gemini", "/v1beta/models/gemini-2.5-flash:generateContent", `{"contents":[{"role":"user","parts":[{"text":` + text + `}]}],` +
+			`"generationConfig":{"maxOutputTokens":100,"candidateCount":2}}`, 11 + 200},
+		{"gemini_stream", "/gemini/v1beta/models/gemini-2.5-flash:streamGenerateContent", `{"contents":[{"parts":[{"text":` + text + `}]}]}`, 11 + 1024},
+		{"vertex", "/vertex_ai/v1/projects/p/locations/us-central1/publishers/google/models/gemini-2.5-flash:generateContent",
+			`{"systemInstruction":{"parts":[{"text":` + text + `}]},"contents":[{"role":"user","parts":[{"text":` + text + `}]}]}`, 22 + 1024},
+		{"bedrock_converse", "/bedrock/model/anthropic.claude-3-5-sonnet-20240620-v1:0/converse",
+			`{"messages":[{"role":"user","content":[{"text":` + text + `}]}],"inferenceConfig":{"maxTokens":100}}`, 11 + 100},
+		{"bedrock_invoke", "/bedrock/model/anthropic.claude-3-5-sonnet-20240620-v1:0/invoke",
+			`{"anthropic_version":"bedrock-2023-05-31","max_tokens":100,"messages":[{"role":"user","content":` + text + `}]}`, 11 + 100},
+		{"vllm_rerank", "/v1/rerank", `{"model":"bge-reranker","query":` + text + `,"documents":[` + text + `]}`, 22 + 1024},
+	} {
+		req := httptest.NewRequest(http.MethodPost, tc.path, strings.NewReader(tc.body))
+		est, err := e.estimate(httptest.NewRecorder(), req, false)
+		if got := est.prompt + est.completion; err != nil || got != tc.want || est.noInference {
+			t.Errorf("%s: estimate %d, not settled %v, %v; want %d and settled", tc.name, got, est.noInference, err, tc.want)
+		}
+	}
+}
