@@ -198,9 +198,13 @@ func (s *jsonScan) closeString() {
 		// vLLM's (before its OpenAI-shaped one), which have no "error"
 		// member.
 		s.inObjVal = false
-		if s.nameN <= len(s.name) {
+		if raw := s.name[:min(s.nameN, len(s.name))]; s.nameN <= len(s.name) && bytes.IndexByte(raw, '\\') < 0 {
+			// Unescaped, as senders write it (every OpenAI chunk's
+			// "object":"chat.completion.chunk"): compared as it is.
+			s.errorTop = s.errorTop || string(raw) == `"error"`
+		} else if s.nameN <= len(s.name) {
 			var buf [maxName]byte
-			v, err := jsontext.AppendUnquote(buf[:0], s.name[:s.nameN])
+			v, err := jsontext.AppendUnquote(buf[:0], raw)
 			s.errorTop = s.errorTop || err == nil && string(v) == "error"
 		}
 		return
