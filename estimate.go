@@ -598,18 +598,17 @@ func (e *Estimate) formCallEstimate(r *http.Request, urlPath string, body []byte
 		return est, false
 	}
 	var model, session []byte
-	seen := map[string]int{}
+	var models, sessions int
 	field := func(name string, value []byte, file bool) {
-		seen[name]++
 		switch {
 		case name == "prompt": // its text, even sent as a file
 			est.prompt += e.tok.Count(value)
+		case name == "model":
+			model, models = value, models+1
+		case name == "session":
+			session, sessions = value, sessions+1
 		case file:
 			est.prompt += llm.MediaPartTokens
-		case name == "model":
-			model = value
-		case name == "session":
-			session = value
 		}
 	}
 	switch mt {
@@ -641,17 +640,16 @@ func (e *Estimate) formCallEstimate(r *http.Request, urlPath string, body []byte
 					return est, false
 				}
 			}
-			name, file := p.FormName(), p.FileName() != ""
+			// A prompt, a model or a session sent as a file is read as
+			// its value: a parser that takes a file's content for a
+			// field would run it. Other values are not read (from
+			// memory; a file's bytes are not copied).
+			name := p.FormName()
 			var value []byte
 			if name == "prompt" || name == "model" || name == "session" {
-				// From memory; a file's bytes are not copied. A model or
-				// a session sent as a file is read as its value, as a
-				// prompt is: a parser that takes a file's content for a
-				// field would run it.
 				value, _ = io.ReadAll(p)
-				file = file && name != "model" && name != "session"
 			}
-			field(name, value, file)
+			field(name, value, p.FileName() != "")
 		}
 	case "application/x-www-form-urlencoded":
 		if bytes.Count(body, []byte("&")) >= maxFormParts {
@@ -669,7 +667,7 @@ func (e *Estimate) formCallEstimate(r *http.Request, urlPath string, body []byte
 	default:
 		return est, false
 	}
-	if seen["model"] > 1 || seen["session"] > 1 {
+	if models > 1 || sessions > 1 {
 		return est, false
 	}
 	if session != nil {

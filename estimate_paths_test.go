@@ -16,10 +16,7 @@ import (
 // (evals.runs.create; samples the model over the eval's data, as a batch
 // does). Their stored neighbours stay free.
 func TestEstimateModelRunsUnderStoredObjects(t *testing.T) {
-	e := &Estimate{}
-	if err := e.provision(); err != nil {
-		t.Fatal(err)
-	}
+	e := provisioned(t, &Estimate{})
 	const grader = `{"grader":{"type":"score_model","name":"g","model":"o4-mini","input":[{"role":"user","content":"Rate 1-10"}],"sampling_params":{"max_completions_tokens":2000}},"model_sample":"an answer"}`
 	const evalRun = `{"name":"r","data_source":{"type":"responses","model":"gpt-4o","input_messages":{"type":"template","template":[{"role":"user","content":"Answer {{item.q}}"}]},"sampling_params":{"max_completion_tokens":500},"source":{"type":"file_id","id":"file-abc"}}}`
 	for _, tc := range []struct {
@@ -51,10 +48,7 @@ func TestEstimateModelRunsUnderStoredObjects(t *testing.T) {
 // custom voices, voice consents and content provenance checks; Anthropic's
 // organization plugins) are 0 tokens, not 400 invalid_body.
 func TestEstimateSDKFormUploads(t *testing.T) {
-	e := &Estimate{}
-	if err := e.provision(); err != nil {
-		t.Fatal(err)
-	}
+	e := provisioned(t, &Estimate{})
 	const body = "--b\r\nContent-Disposition: form-data; name=\"files\"; filename=\"s/SKILL.md\"\r\n\r\n# skill\r\n--b--\r\n"
 	for _, p := range []string{
 		"/v1/skills", "/v1/skills/skill_abc/versions",
@@ -83,10 +77,7 @@ func TestEstimateSDKFormUploads(t *testing.T) {
 // upstream that does not resolve dot segments, as the free rules assume;
 // a path with dot segments keeps its budget.
 func TestEstimateCompletionBudgetBothReadings(t *testing.T) {
-	e := &Estimate{}
-	if err := e.provision(); err != nil {
-		t.Fatal(err)
-	}
+	e := provisioned(t, &Estimate{})
 	const body = `{"model":"gpt-4o","messages":[{"role":"user","content":"abcd"}]}`
 	for p, want := range map[string]int64{
 		"/v1/chat/completions/../../embeddings":  1 + 1024,
@@ -111,10 +102,7 @@ func TestEstimateCompletionBudgetBothReadings(t *testing.T) {
 // or with path parameters (ASP.NET Core and Fiber route case-insensitively,
 // Java servlet containers drop ";params").
 func TestEstimateModelNamesAndRunsInAnyCase(t *testing.T) {
-	e := &Estimate{}
-	if err := e.provision(); err != nil {
-		t.Fatal(err)
-	}
+	e := provisioned(t, &Estimate{})
 	const chat = `{"messages":[{"role":"user","content":"abcd"}]}`
 	for _, p := range []string{
 		"/openai/deployments/evals/chat/completions?api-version=2024-10-21",
@@ -143,10 +131,7 @@ func TestEstimateModelNamesAndRunsInAnyCase(t *testing.T) {
 // is invalid, and so is a form to another path. A session or model sent
 // as a file is read as its value.
 func TestEstimateFormModelCalls(t *testing.T) {
-	e := &Estimate{}
-	if err := e.provision(); err != nil {
-		t.Fatal(err)
-	}
+	e := provisioned(t, &Estimate{})
 	part := func(name, filename, value string) string {
 		if filename != "" {
 			return "--b\r\nContent-Disposition: form-data; name=\"" + name + "\"; filename=\"" + filename + "\"\r\nContent-Type: image/png\r\n\r\n" + value + "\r\n"
@@ -221,10 +206,7 @@ func TestEstimateFormModelCalls(t *testing.T) {
 		})
 	}
 	// A form over max_body is invalid, as a JSON body is.
-	small := &Estimate{MaxBody: 64}
-	if err := small.provision(); err != nil {
-		t.Fatal(err)
-	}
+	small := provisioned(t, &Estimate{MaxBody: 64})
 	req := httptest.NewRequest(http.MethodPost, "/v1/videos", strings.NewReader(video+"--b--\r\n"))
 	req.Header.Set("Content-Type", multipartType)
 	if est, err := small.estimate(httptest.NewRecorder(), req, false); !errors.Is(err, errInvalidBody) {
@@ -240,10 +222,7 @@ func TestEstimateFormModelCalls(t *testing.T) {
 // body), and the agent runs at once. A GET there (a list of invocations)
 // stays free.
 func TestEstimateBodylessAgentRuns(t *testing.T) {
-	e := &Estimate{}
-	if err := e.provision(); err != nil {
-		t.Fatal(err)
-	}
+	e := provisioned(t, &Estimate{})
 	for _, tc := range []struct {
 		method, path string
 		chunked      bool
@@ -286,10 +265,7 @@ func TestEstimateBodylessAgentRuns(t *testing.T) {
 // or a LiteLLM engine of such a name, Mistral's agents completion, and a
 // session's creation or events are estimated.
 func TestEstimateAgentNamesOnlyAfterV1(t *testing.T) {
-	e := &Estimate{}
-	if err := e.provision(); err != nil {
-		t.Fatal(err)
-	}
+	e := provisioned(t, &Estimate{})
 	const chat = `{"messages":[{"role":"user","content":"abcd"}]}`
 	for _, p := range []string{
 		"/bedrock/agents/sess_abc",
@@ -325,10 +301,7 @@ func TestEstimateAgentNamesOnlyAfterV1(t *testing.T) {
 // reports usage in every stream); it used to be rewritten, and every such
 // stream failed. A chat completions stream is still rewritten.
 func TestIncludeUsageNotForMistral(t *testing.T) {
-	e := &Estimate{}
-	if err := e.provision(); err != nil {
-		t.Fatal(err)
-	}
+	e := provisioned(t, &Estimate{})
 	for _, tc := range []struct {
 		path, body string
 		rewritten  bool
@@ -358,10 +331,7 @@ func TestIncludeUsageNotForMistral(t *testing.T) {
 // failed); from 2024-09-01-preview on, and without an api-version, it is
 // rewritten.
 func TestIncludeUsageNotForOldAzure(t *testing.T) {
-	e := &Estimate{}
-	if err := e.provision(); err != nil {
-		t.Fatal(err)
-	}
+	e := provisioned(t, &Estimate{})
 	const body = `{"messages":[{"role":"user","content":"abcd"}],"stream":true}`
 	for _, tc := range []struct {
 		url       string
@@ -393,10 +363,7 @@ func TestIncludeUsageNotForOldAzure(t *testing.T) {
 // fields each reads and settled: none is free under a path rule, each
 // counts its prompt (11 tokens) and its budget.
 func TestEstimateOtherUpstreams(t *testing.T) {
-	e := &Estimate{}
-	if err := e.provision(); err != nil {
-		t.Fatal(err)
-	}
+	e := provisioned(t, &Estimate{})
 	const text = `"Write a 3,000-word essay on rate limiting."` // 11 tokens
 	for _, tc := range []struct {
 		name, path, body string
@@ -430,4 +397,14 @@ func TestEstimateOtherUpstreams(t *testing.T) {
 			t.Errorf("%s: estimate %d, not settled %v, %v; want %d and settled", tc.name, got, est.noInference, err, tc.want)
 		}
 	}
+}
+
+// provisioned returns e provisioned: its defaults set, its tokenizer
+// built.
+func provisioned(t testing.TB, e *Estimate) *Estimate {
+	t.Helper()
+	if err := e.provision(); err != nil {
+		t.Fatal(err)
+	}
+	return e
 }

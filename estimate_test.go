@@ -129,10 +129,7 @@ func TestEstimateTable(t *testing.T) {
 func TestEstimateOversizedBodyReadsBackWhole(t *testing.T) {
 	body := bytes.Repeat([]byte("0123456789abcdef"), 1<<16) // 1 MiB
 	req := httptest.NewRequest(http.MethodPost, "/", bytes.NewReader(body))
-	e := &Estimate{MaxBody: 1000}
-	if err := e.provision(); err != nil {
-		t.Fatal(err)
-	}
+	e := provisioned(t, &Estimate{MaxBody: 1000})
 	if _, err := e.estimate(httptest.NewRecorder(), req, false); !errors.Is(err, errInvalidBody) {
 		t.Fatalf("err %v, want errInvalidBody", err)
 	}
@@ -275,10 +272,7 @@ func BenchmarkEstimate(b *testing.B) {
 	if n := len(chatBody2K); n < 1900 || n > 2200 {
 		b.Fatalf("body is %d bytes, want about 2 KB", n)
 	}
-	e := &Estimate{}
-	if err := e.provision(); err != nil {
-		b.Fatal(err)
-	}
+	e := provisioned(b, &Estimate{})
 	b.ReportAllocs()
 	b.SetBytes(int64(len(chatBody2K)))
 	for b.Loop() {
@@ -434,10 +428,7 @@ func TestOversizedFormThatNeverComesTimesOut(t *testing.T) {
 // estimated as always, whatever its path: a run, a chat completion, a
 // batch, another API's path.
 func TestEstimateStoredObjects(t *testing.T) {
-	e := &Estimate{}
-	if err := e.provision(); err != nil {
-		t.Fatal(err)
-	}
+	e := provisioned(t, &Estimate{})
 	const text = `"Write a 3,000-word essay on rate limiting."` // 11 tokens
 	for _, tc := range []struct {
 		name, path, body string

@@ -900,15 +900,7 @@ func (p *parser) action() error {
 	case '{':
 		return p.part(true)
 	case '[':
-		if err := p.begin(); err != nil {
-			return err
-		}
-		for p.dec.PeekKind() != ']' {
-			if err := p.action(); err != nil {
-				return err
-			}
-		}
-		return p.end()
+		return p.elements(p.action)
 	}
 	return p.skip()
 }
@@ -972,15 +964,7 @@ func (p *parser) results() error {
 	if p.dec.PeekKind() != '[' {
 		return p.skip()
 	}
-	if err := p.begin(); err != nil {
-		return err
-	}
-	for p.dec.PeekKind() != ']' {
-		if err := p.objectMember("text", p.content); err != nil {
-			return err
-		}
-	}
-	return p.end()
+	return p.elements(func() error { return p.objectMember("text", p.content) })
 }
 
 // settings reads the object of generation settings of an API that keeps
@@ -999,40 +983,25 @@ func (p *parser) results() error {
 // is the server's to refuse. numeric and null record the budget as the
 // top-level budget members do.
 func (p *parser) settings(req *Request, numeric, null *bool) error {
-	if p.dec.PeekKind() != '{' {
-		return p.skip()
-	}
-	if err := p.begin(); err != nil {
-		return err
-	}
-	for p.dec.PeekKind() != '}' {
-		name, err := p.memberName()
-		if err != nil {
-			return err
-		}
+	return p.members(func(name []byte) (err error) {
 		switch string(name) {
 		case "num_predict", "max_new_tokens", "maxOutputTokens", "max_output_tokens", "maxTokens":
-			var n int64
-			var ok, isNull bool
-			if n, ok, isNull, err = p.looseCount(); ok {
+			n, ok, isNull, err := p.looseCount()
+			if ok {
 				*numeric = true
 				req.MaxTokens = max(req.MaxTokens, n)
 			}
 			*null = *null || isNull
+			return err
 		case "candidateCount", "candidate_count", "best_of":
-			var n int64
-			var ok bool
-			if n, ok, _, err = p.looseCount(); ok {
+			n, ok, _, err := p.looseCount()
+			if ok {
 				req.Choices = max(req.Choices, n)
 			}
-		default:
-			err = p.skip()
-		}
-		if err != nil {
 			return err
 		}
-	}
-	return p.end()
+		return p.skip()
+	})
 }
 
 // looseCount reads a count of a settings object (see settings): a number,
@@ -1078,15 +1047,7 @@ func (p *parser) documents() error {
 	if p.dec.PeekKind() != '[' {
 		return p.content()
 	}
-	if err := p.begin(); err != nil {
-		return err
-	}
-	for p.dec.PeekKind() != ']' {
-		if err := p.strOrJSON(); err != nil {
-			return err
-		}
-	}
-	return p.end()
+	return p.elements(p.strOrJSON)
 }
 
 // images counts an "images" member, Ollama's (a generate request's, a
@@ -1096,18 +1057,12 @@ func (p *parser) images() error {
 	if p.dec.PeekKind() != '[' {
 		return p.skip()
 	}
-	if err := p.begin(); err != nil {
-		return err
-	}
-	for p.dec.PeekKind() != ']' {
+	return p.elements(func() error {
 		if p.dec.PeekKind() != 'n' {
 			p.add(MediaPartTokens)
 		}
-		if err := p.skip(); err != nil {
-			return err
-		}
-	}
-	return p.end()
+		return p.skip()
+	})
 }
 
 // textOptions reads the Responses API "text" object: its "format" counts
@@ -1120,6 +1075,31 @@ func (p *parser) textOptions() error {
 // with read, and skips the others; a value that is not an object is
 // skipped whole.
 func (p *parser) objectMember(name string, read func() error) error {
+	return p.members(func(n []byte) error {
+		if string(n) == name {
+			return read()
+		}
+		return p.skip()
+	})
+}
+
+// elements reads the array the decoder is at, each element with read.
+func (p *parser) elements(read func() error) error {
+	if err := p.begin(); err != nil {
+		return err
+	}
+	for p.dec.PeekKind() != ']' {
+		if err := read(); err != nil {
+			return err
+		}
+	}
+	return p.end()
+}
+
+// members reads the object the decoder is at, each member's value with
+// read, given the member's name (valid until the next memberName); a
+// value that is not an object is skipped whole.
+func (p *parser) members(read func(name []byte) error) error {
 	if p.dec.PeekKind() != '{' {
 		return p.skip()
 	}
@@ -1127,16 +1107,11 @@ func (p *parser) objectMember(name string, read func() error) error {
 		return err
 	}
 	for p.dec.PeekKind() != '}' {
-		n, err := p.memberName()
+		name, err := p.memberName()
 		if err != nil {
 			return err
 		}
-		if string(n) == name {
-			err = read()
-		} else {
-			err = p.skip()
-		}
-		if err != nil {
+		if err := read(name); err != nil {
 			return err
 		}
 	}
