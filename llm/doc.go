@@ -87,6 +87,17 @@
 //	text, output_config        its "format" member, as raw JSON text (the
 //	                           Responses API's and Anthropic's structured
 //	                           output schema)
+//	requests                   a batch (Anthropic's Message Batches): an
+//	                           array whose objects' "params" (or
+//	                           "request") objects are each read as a
+//	                           request body, their texts counting here and
+//	                           their budgets in Request.BatchBudget;
+//	                           another item is one text when a string,
+//	                           else its raw JSON text (null: nothing), as
+//	                           is a requests that is not an array
+//	batch                      Gemini's inline batch: its
+//	                           input_config.requests.requests (or
+//	                           inputConfig), read as requests is
 //
 // A content value is one text when it is a string, its items when it is
 // an array, nothing when it is null, and its raw JSON text otherwise. An
@@ -245,5 +256,7 @@
 // are read as n is. Request.Budget multiplies it by
 // the completions asked for each prompt (n, best_of) and by the number of
 // prompts (a legacy completions prompt may be an array of prompts), at
-// most MaxCost.
+// most MaxCost. Of a batch, Request.BatchBudget sums the budgets of its
+// requests, each read as above (a request without one at the caller's
+// default); Request.Budget adds it to the top level's.
 package llm

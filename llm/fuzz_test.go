@@ -34,7 +34,8 @@ func FuzzParseRequest(f *testing.F) {
 		if !json.Valid(body) || bytes.TrimLeft(body, " \t\r\n")[0] != '{' {
 			t.Fatalf("accepted %q, not a JSON object", body)
 		}
-		if req.PromptTokens < 0 || req.PromptTokens > MaxCost || req.MaxTokens < -1 || req.MaxTokens > MaxCost {
+		if req.PromptTokens < 0 || req.PromptTokens > MaxCost || req.MaxTokens < -1 || req.MaxTokens > MaxCost ||
+			req.Requests < 0 || req.Budget(1024) < 0 || req.Budget(1024) > MaxCost || req.Budget(MaxCost) > MaxCost {
 			t.Fatalf("out of bounds: %+v", req)
 		}
 		goServerReads(t, body, req)

@@ -55,7 +55,9 @@ type Request struct {
 	// which accounts for a null duplicate too.
 	MaxTokens int64
 	// Model is the "model" member when it is a string, else "", with each
-	// byte that is not valid UTF-8 read as U+FFFD.
+	// byte that is not valid UTF-8 read as U+FFFD. A batch (see Requests)
+	// without one has the model that every batched request naming one
+	// names, "" when two of them differ.
 	Model string
 	// Stream is true when the "stream" member is true.
 	Stream bool
@@ -85,6 +87,19 @@ type Request struct {
 	// "max_tokens":100 may use 600 completion tokens.
 	Prompts int64
 
+	// Requests is how many batched requests the body holds: the objects
+	// in the "params" (or "request") member of each item of a top-level
+	// "requests" array, as Anthropic's Message Batches send them
+	// (messages.batches.create). Each is read as a request body is, its
+	// texts counting in PromptTokens; BatchBudget adds up the budgets
+	// they would be charged alone. 0 for a body without them.
+	Requests int64
+
+	// batchBudget: the budgets the batched requests set, each times its
+	// choices and prompts; batchDefaults: the sum of the choices times
+	// prompts of those whose provider may apply its own default budget
+	// (none set, or one with a null duplicate). Both at most MaxCost.
+	batchBudget, batchDefaults int64
 	// budgetSure: some budget member is a number in all its occurrences,
 	// so the provider's own default budget never applies.
 	budgetSure bool
@@ -97,7 +112,37 @@ type Request struct {
 // set to a number also has a null duplicate, the provider may read null
 // (the last duplicate wins) and apply its own default: Budget is then the
 // larger of MaxTokens and defaultMax.
+//
+// A body with batched requests (Requests > 0) adds their budgets (see
+// BatchBudget): a server that reads it as one request may run the top
+// level with its default budget, a batch endpoint runs the batch.
 func (r Request) Budget(defaultMax int64) int64 {
+	return satAdd(r.topBudget(defaultMax), r.batchedBudget(defaultMax))
+}
+
+// BatchBudget returns the completion budget to charge for a body sent to a
+// batch endpoint (Anthropic's Message Batches, Gemini's
+// batchGenerateContent), in tokens: what its batched requests would be
+// charged alone, the sum of their budgets plus defaultMax for each that
+// sets none (or one with a null duplicate: the larger reading's bound),
+// each times its own choices and prompts; plus the top level's budget
+// only where it sets one, since a batch has no completion of its own. At
+// most MaxCost.
+func (r Request) BatchBudget(defaultMax int64) int64 {
+	b := r.batchedBudget(defaultMax)
+	if r.MaxTokens > 0 {
+		b = satAdd(b, satMul(r.MaxTokens, satMul(r.Choices, r.Prompts)))
+	}
+	return b
+}
+
+// batchedBudget is the sum of the batched requests' budgets.
+func (r Request) batchedBudget(defaultMax int64) int64 {
+	return satAdd(r.batchBudget, satMul(r.batchDefaults, defaultMax))
+}
+
+// topBudget is Budget of the top level alone.
+func (r Request) topBudget(defaultMax int64) int64 {
 	b := r.MaxTokens
 	switch {
 	case r.MaxTokens < 0:
@@ -180,6 +225,7 @@ type parser struct {
 	// of the "result" members of the parts, being read whose type is not
 	// known yet (see source and part), innermost last.
 	pending []span
+	batch   batchState // the body's batched requests (see batchRequests)
 }
 
 // span is the offsets in the body of a value's first byte and of the
@@ -190,8 +236,8 @@ func (p *parser) release() {
 	p.body, p.tok = nil, nil
 	p.in = bytes.Buffer{}
 	p.dec.Reset(&p.in)
-	if cap(p.text) > 64<<10 || cap(p.name) > 64<<10 {
-		p.text, p.name = nil, nil // do not pin the memory of a huge string
+	if cap(p.text) > 64<<10 || cap(p.name) > 64<<10 || cap(p.batch.model) > 64<<10 {
+		p.text, p.name, p.batch.model = nil, nil, nil // do not pin the memory of a huge string
 	}
 	if cap(p.pending) > 1<<10 {
 		p.pending = nil
@@ -232,45 +278,125 @@ func (p *parser) parse() (Request, error) {
 	}
 	req.rw.objOpen = int(p.dec.InputOffset()) - 1
 	req.rw.objEmpty = p.dec.PeekKind() == '}'
-	modelStart, modelEnd := -1, -1
-	var numeric, null [budgets]bool
-	var seenModel, seenStream bool
+	var st requestState
+	p.batch = batchState{model: p.batch.model[:0]} // the buffer is kept
+	if err := p.requestMembers(&req, &st, true); err != nil {
+		return req, err
+	}
+	if _, err := p.dec.ReadToken(); err != nil {
+		return req, syntax(err)
+	}
+	end := int(p.dec.InputOffset())
+	for _, c := range p.body[end:] {
+		if c != ' ' && c != '\t' && c != '\n' && c != '\r' {
+			return req, invalid("data after the top-level object at byte %d", end)
+		}
+	}
+	st.finish(&req)
+	switch {
+	case st.modelStart >= 0:
+		// The top level's, also beside a batch: the model any server
+		// that reads the body as one request runs.
+		req.Model = validUTF8(p.unquote(p.body[st.modelStart:st.modelEnd]))
+	case p.batch.named && !p.batch.mixed:
+		req.Model = validUTF8(p.batch.model)
+	}
+	req.Requests = p.batch.requests
+	req.batchBudget, req.batchDefaults = p.batch.budget, p.batch.defaults
+	req.PromptTokens = min(p.prompt, MaxCost)
+	req.rw.ok = true
+	return req, nil
+}
+
+// requestState is what the members of one request object set besides its
+// Request: which budget members were numbers and null, and where its
+// model is.
+type requestState struct {
+	numeric, null         [budgets]bool
+	seenModel, seenStream bool
+	modelStart, modelEnd  int // the model's string in the body, -1 without
+}
+
+// finish sets req's budgetSure from what its members set.
+func (st *requestState) finish(req *Request) {
+	for b := range budgets {
+		req.budgetSure = req.budgetSure || st.numeric[b] && !st.null[b]
+	}
+	if st.null[budgetSettings] {
+		// Ollama's num_predict -1 (no limit) or -2 (fill the context):
+		// Ollama reads no top-level budget, so none is sure.
+		req.budgetSure = false
+	}
+}
+
+// requestMembers reads the members of a request object, the top-level one
+// (top) or a batched request's (see batchRequests), up to its '}'. Its
+// texts count in p.prompt; the rest is set in req and st. Only the top
+// level reads "requests" and "stream_options".
+func (p *parser) requestMembers(req *Request, st *requestState, top bool) error {
+	st.modelStart, st.modelEnd = -1, -1
 	for p.dec.PeekKind() != '}' {
 		name, err := p.memberName()
 		if err != nil {
-			return req, err
+			return err
 		}
 		b := -1
 		switch string(name) {
 		case "model":
-			if seenModel {
-				return req, invalid("duplicate model member")
+			if st.seenModel {
+				return invalid("duplicate model member")
 			}
-			seenModel = true
+			st.seenModel = true
 			if p.dec.PeekKind() == '"' {
 				raw, err := p.dec.ReadValue()
 				if err != nil {
-					return req, syntax(err)
+					return syntax(err)
 				}
-				modelEnd = int(p.dec.InputOffset())
-				modelStart = modelEnd - len(raw)
+				st.modelEnd = int(p.dec.InputOffset())
+				st.modelStart = st.modelEnd - len(raw)
 			} else {
 				err = p.skip()
 			}
 		case "stream":
-			if seenStream {
-				return req, invalid("duplicate stream member")
+			if st.seenStream {
+				return invalid("duplicate stream member")
 			}
-			seenStream = true
+			st.seenStream = true
 			switch p.dec.PeekKind() {
 			case 't', 'f', 'n':
 			default:
-				return req, invalid("stream is not true, false or null")
+				return invalid("stream is not true, false or null")
 			}
 			req.Stream = p.dec.PeekKind() == 't'
 			err = p.skip()
 		case "stream_options":
-			err = p.streamOptions(&req)
+			if top {
+				err = p.streamOptions(req)
+			} else {
+				err = p.skip()
+			}
+		case "requests":
+			if top {
+				err = p.batchRequests()
+			} else {
+				err = p.skip()
+			}
+		case "batch":
+			if top {
+				// Gemini's inline batch (batchGenerateContent):
+				// batch.input_config.requests.requests, an array of
+				// {"request", "metadata"}.
+				err = p.members(func(n []byte) error {
+					if string(n) != "input_config" && string(n) != "inputConfig" {
+						return p.skip()
+					}
+					return p.objectMember("requests", func() error {
+						return p.objectMember("requests", p.batchRequests)
+					})
+				})
+			} else {
+				err = p.skip()
+			}
 		case "max_tokens":
 			b = budgetMaxTokens
 		case "max_completion_tokens":
@@ -316,7 +442,7 @@ func (p *parser) parse() (Request, error) {
 		case "images":
 			err = p.images()
 		case "options", "parameters", "generationConfig", "generation_config", "inferenceConfig":
-			err = p.settings(&req, &numeric[budgetSettings], &null[budgetSettings])
+			err = p.settings(req, &st.numeric[budgetSettings], &st.null[budgetSettings])
 		case "text", "output_config":
 			// The Responses API's text.format, Anthropic's
 			// output_config.format (output_format in its beta): a
@@ -325,49 +451,117 @@ func (p *parser) parse() (Request, error) {
 			err = p.textOptions()
 		default:
 			if m := foldsTo(name, topLevelNames); m != nil {
-				return req, invalid("member %q is %q in another case", name, m)
+				return invalid("member %q is %q in another case", name, m)
 			}
 			err = p.skip()
 		}
 		if b >= 0 {
 			n, isNull, e := p.budget(name)
 			if e != nil {
-				return req, e
+				return e
 			}
 			if isNull {
-				null[b] = true
+				st.null[b] = true
 			} else {
-				numeric[b] = true
+				st.numeric[b] = true
 				req.MaxTokens = max(req.MaxTokens, n)
 			}
 		}
 		if err != nil {
-			return req, err
+			return err
 		}
 	}
-	if _, err := p.dec.ReadToken(); err != nil {
-		return req, syntax(err)
+	return nil
+}
+
+// batchState is what a body's batched requests add up to (see
+// batchRequests).
+type batchState struct {
+	requests int64  // the batched requests read
+	budget   int64  // the budgets they set, times their choices and prompts
+	defaults int64  // their choices times prompts where the budget may be the provider's default
+	model    []byte // the model they name, unquoted (the parser's buffer)
+	named    bool   // some batched request names a model: model
+	mixed    bool   // two of them name different models
+}
+
+// batchRequests reads the requests of a batch: Anthropic's Message
+// Batch (messages.batches.create: a top-level "requests" array of
+// {"custom_id", "params"}, each params a Messages request) or Gemini's
+// inline batch (an array of {"request", "metadata"}, each request a
+// generateContent body). The texts of every batched
+// request count in p.prompt, and each adds to p.batch the completion
+// budget it would be charged alone (see Request.Budget). An item that is
+// not an object, and a params that is not one, count as JSON text; null
+// counts nothing.
+func (p *parser) batchRequests() error {
+	switch p.dec.PeekKind() {
+	case 'n':
+		return p.skip()
+	case '[':
+	default:
+		return p.jsonText()
 	}
-	end := int(p.dec.InputOffset())
-	for _, c := range p.body[end:] {
-		if c != ' ' && c != '\t' && c != '\n' && c != '\r' {
-			return req, invalid("data after the top-level object at byte %d", end)
+	return p.elements(func() error {
+		if p.dec.PeekKind() != '{' {
+			return p.strOrJSON()
+		}
+		return p.members(func(name []byte) error {
+			if string(name) != "params" && string(name) != "request" || p.dec.PeekKind() != '{' {
+				return p.skip()
+			}
+			return p.batchedRequest()
+		})
+	})
+}
+
+// batchedRequest reads one batched request object and adds it to p.batch.
+func (p *parser) batchedRequest() error {
+	if err := p.begin(); err != nil {
+		return err
+	}
+	req := Request{MaxTokens: -1, Choices: 1, Prompts: 1}
+	var st requestState
+	if err := p.requestMembers(&req, &st, false); err != nil {
+		return err
+	}
+	if err := p.end(); err != nil {
+		return err
+	}
+	st.finish(&req)
+	b := &p.batch
+	b.requests++
+	per := satMul(req.Choices, req.Prompts)
+	if req.MaxTokens >= 0 {
+		b.budget = satAdd(b.budget, satMul(req.MaxTokens, per))
+	}
+	if !req.budgetSure {
+		// No budget, or one with a null duplicate: the provider's default
+		// may apply, and is charged on top (more than max(budget,
+		// default), never less).
+		b.defaults = satAdd(b.defaults, per)
+	}
+	if st.modelStart >= 0 {
+		model := p.unquote(p.body[st.modelStart:st.modelEnd])
+		switch {
+		case !b.named:
+			b.model, b.named = append(b.model[:0], model...), true
+		case !bytes.Equal(model, b.model):
+			b.mixed = true
 		}
 	}
-	for b := range budgets {
-		req.budgetSure = req.budgetSure || numeric[b] && !null[b]
+	return nil
+}
+
+// satAdd returns a + b, both from 0 to MaxCost, at most MaxCost.
+func satAdd(a, b int64) int64 { return min(a+b, MaxCost) }
+
+// satMul returns a × b, both from 0 to MaxCost, at most MaxCost.
+func satMul(a, b int64) int64 {
+	if a != 0 && b > MaxCost/a {
+		return MaxCost
 	}
-	if null[budgetSettings] {
-		// Ollama's num_predict -1 (no limit) or -2 (fill the context):
-		// Ollama reads no top-level budget, so none is sure.
-		req.budgetSure = false
-	}
-	if modelStart >= 0 {
-		req.Model = validUTF8(p.unquote(p.body[modelStart:modelEnd]))
-	}
-	req.PromptTokens = min(p.prompt, MaxCost)
-	req.rw.ok = true
-	return req, nil
+	return a * b
 }
 
 // topLevelNames are the members of the top-level object the estimate
@@ -376,7 +570,7 @@ var topLevelNames = namesOf("model", "stream", "stream_options", "max_tokens",
 	"max_completion_tokens", "max_output_tokens", "n", "best_of", "messages",
 	"system", "prompt", "input", "inputs", "instructions", "suffix", "tools",
 	"functions", "response_format", "text", "output_config", "output_format",
-	"options", "context", "images")
+	"options", "context", "images", "requests")
 
 // includeUsage is the member of stream_options the estimate reads.
 var includeUsage = namesOf("include_usage")

@@ -946,3 +946,86 @@ func TestBPEInvalidUTF8CountsEachByte(t *testing.T) {
 		t.Errorf("3000 invalid bytes count %d, 3000 U+FFFD %d; want both 386", invalid, replaced)
 	}
 }
+
+// TestParseBatch: a batch is charged what its batched requests would be
+// charged alone (Anthropic's Message Batches, Gemini's inline batches):
+// every request's texts, and the sum of their budgets, each times its
+// choices; default_max_tokens (1024 here) for one without a budget. A
+// batch of 10,000 Messages requests was charged 1024 tokens, whatever
+// they held.
+func TestParseBatch(t *testing.T) {
+	const def = 1024
+	// 8 bytes: 2 tokens; 4 bytes: 1.
+	a := `{"custom_id":"a","params":{"model":"claude-x","max_tokens":100,"messages":[{"role":"user","content":"abcdefgh"}]}}`
+	b := `{"custom_id":"b","params":{"model":"claude-x","max_tokens":50,"system":"abcd","messages":[{"role":"user","content":"abcd"}]}}`
+	for _, tc := range []struct {
+		name             string
+		body             string
+		prompt, requests int64
+		budget, batch    int64 // Budget(1024), BatchBudget(1024)
+		model            string
+	}{
+		{"anthropic", `{"requests":[` + a + `,` + b + `]}`, 4, 2, 150 + def, 150, "claude-x"},
+		{"one_without_budget", `{"requests":[` + a + `,{"custom_id":"c","params":{"model":"claude-x","messages":[{"role":"user","content":"abcd"}]}}]}`, 3, 2, 100 + def + def, 100 + def, "claude-x"},
+		// The provider may read the null: both are charged, the larger
+		// reading's bound.
+		{"null_duplicate", `{"requests":[{"params":{"max_tokens":5,"max_tokens":null,"messages":[]}}]}`, 0, 1, 5 + def + def, 5 + def, ""},
+		{"choices", `{"requests":[{"params":{"n":3,"max_tokens":10,"prompt":"abcd"}}]}`, 1, 1, 30 + def, 30, ""},
+		{"settings_budget", `{"requests":[{"params":{"generationConfig":{"maxOutputTokens":40}}}]}`, 0, 1, 40 + def, 40, ""},
+		{"mixed_models", `{"requests":[` + a + `,{"params":{"model":"claude-y","max_tokens":1}}]}`, 2, 2, 101 + def, 101, ""},
+		{"escaped_model_same", `{"requests":[` + a + `,{"params":{"model":"claude-\u0078","max_tokens":1}}]}`, 2, 2, 101 + def, 101, "claude-x"},
+		{"top_level_model_same", `{"model":"claude-x","requests":[` + a + `]}`, 2, 1, 100 + def, 100, "claude-x"},
+		// The top level's model is the one a server reading the body as
+		// one request runs: it is the body's.
+		{"top_level_model_other", `{"model":"claude-y","requests":[` + a + `]}`, 2, 1, 100 + def, 100, "claude-y"},
+		{"top_level_model_mixed_batch", `{"model":"claude-y","requests":[` + a + `,{"params":{"model":"claude-z","max_tokens":1}}]}`, 2, 2, 101 + def, 101, "claude-y"},
+		// A budget at the top level is added to the batch's; its default
+		// is not (Budget adds it: a server that reads the body as one
+		// request may apply it).
+		{"top_level_budget", `{"max_tokens":7,"requests":[` + a + `]}`, 2, 1, 107, 107, "claude-x"},
+		{"saturates", `{"requests":[{"params":{"max_tokens":9007199254740991}},{"params":{"max_tokens":9007199254740991}}]}`, 0, 2, MaxCost, MaxCost, ""},
+		// What is not a request counts as JSON text, or nothing.
+		{"item_not_object", `{"requests":["abcd"]}`, 1, 0, def, 0, ""},
+		{"params_not_object", `{"requests":[{"params":"abcdefgh"}]}`, 0, 0, def, 0, ""},
+		{"requests_not_array", `{"requests":{"a":1}}`, 2, 0, def, 0, ""},
+		{"requests_null", `{"requests":null}`, 0, 0, def, 0, ""},
+		{"empty", `{"requests":[]}`, 0, 0, def, 0, ""},
+		// Only the top level has batched requests.
+		{"nested_requests_not_read", `{"requests":[{"params":{"max_tokens":1,"requests":[` + a + `]}}]}`, 0, 1, 1 + def, 1, ""},
+		// Gemini's inline batch; its model is in the path.
+		{"gemini_inline", `{"batch":{"display_name":"x","input_config":{"requests":{"requests":[` +
+			`{"request":{"contents":[{"parts":[{"text":"abcdefgh"}]}],"generationConfig":{"maxOutputTokens":30}},"metadata":{"key":"a"}},` +
+			`{"request":{"contents":[{"parts":[{"text":"abcd"}]}]}}]}}}}`, 3, 2, 30 + def + def, 30 + def, ""},
+		{"gemini_inline_camel_case", `{"batch":{"inputConfig":{"requests":{"requests":[{"request":{"contents":"abcd","generationConfig":{"maxOutputTokens":3}}}]}}}}`, 1, 1, 3 + def, 3, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			req, err := ParseRequest([]byte(tc.body), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if req.PromptTokens != tc.prompt || req.Requests != tc.requests || req.Budget(def) != tc.budget ||
+				req.BatchBudget(def) != tc.batch || req.Model != tc.model {
+				t.Errorf("prompt %d, requests %d, budget %d, batch budget %d, model %q; want %d, %d, %d, %d, %q",
+					req.PromptTokens, req.Requests, req.Budget(def), req.BatchBudget(def), req.Model,
+					tc.prompt, tc.requests, tc.budget, tc.batch, tc.model)
+			}
+		})
+	}
+	for _, body := range []string{
+		`{"Requests":[]}`, // Go's encoding/json reads it as requests
+		`{"requests":[{"params":{"model":"a","model":"b"}}]}`,
+		`{"requests":[{"params":{"max_tokens":-1}}]}`,
+		`{"requests":[{"params":{"MAX_TOKENS":1}}]}`,
+		`{"requests":[{"params":{"messages":"abcd"}}]}`,
+	} {
+		if _, err := ParseRequest([]byte(body), nil); !errors.Is(err, ErrInvalidBody) {
+			t.Errorf("%s: %v, want ErrInvalidBody", body, err)
+		}
+	}
+	// A batch allocates nothing more than a body without one: the
+	// batched requests' model is compared in the parser's buffer.
+	body := []byte(`{"requests":[` + a + `,` + b + `]}`)
+	if n := testing.AllocsPerRun(100, func() { _, _ = ParseRequest(body, nil) }); n != 1 {
+		t.Errorf("%v allocations per parse, want 1 (the model)", n)
+	}
+}
