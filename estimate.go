@@ -232,7 +232,12 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 	if clean && !completes(urlPath) { // /v1/chat/completions/../../embeddings keeps its budget
 		defaultMax = 0
 	}
-	est := tokenEstimate{prompt: req.PromptTokens, completion: req.Budget(defaultMax), model: req.Model, read: true}
+	est := tokenEstimate{prompt: req.PromptTokens, model: req.Model, read: true}
+	if req.Requests > 0 && clean && batches(urlPath) {
+		est.completion = req.BatchBudget(defaultMax)
+	} else {
+		est.completion = req.Budget(defaultMax)
+	}
 	if streamUsage && req.NeedsStreamUsage() && includesUsage(urlPath) && !oldAzureVersion(r.URL.Query()) {
 		if out, changed, err := llm.WithStreamUsage(body, req); err == nil && changed {
 			setBody(r, out)
@@ -484,6 +489,18 @@ func endsIn(path string, suffixes ...string) bool {
 		}
 	}
 	return false
+}
+
+// batches reports whether a request to path creates a batch whose
+// requests come in its body: Anthropic's Message Batches (a path ending in
+// /messages/batches: messages.batches.create, beta.messages.batches.create)
+// and Gemini's inline batches (a last segment ending in
+// :batchGenerateContent). It is charged what its requests would be alone
+// (llm.Request.BatchBudget), not a default budget of its own besides; the
+// caller asks for a clean path, as for the rules that make a request
+// free. A trailing slash is ignored.
+func batches(path string) bool {
+	return endsIn(path, "/messages/batches", ":batchGenerateContent")
 }
 
 // countsTokens reports whether a request to path counts its prompt's

@@ -257,6 +257,50 @@ func TestEstimateBodylessAgentRuns(t *testing.T) {
 	}
 }
 
+// TestEstimateBatches: a batch whose requests come in its body is charged
+// what they would be alone: Anthropic's Message Batches (and through
+// the beta), Gemini's inline batchGenerateContent. OpenAI's batches name a
+// file uploaded before, which the estimate cannot read: default_max_tokens,
+// as before (README). A batch's cancel, a POST without a body, is free.
+// Only a batch path (clean) leaves out the top level's default budget.
+func TestEstimateBatches(t *testing.T) {
+	e := provisioned(t, &Estimate{})
+	// 8 bytes: 2 tokens; 4 bytes: 1.
+	const anthropic = `{"requests":[` +
+		`{"custom_id":"a","params":{"model":"claude-x","max_tokens":100,"messages":[{"role":"user","content":"abcdefgh"}]}},` +
+		`{"custom_id":"b","params":{"model":"claude-x","max_tokens":50,"messages":[{"role":"user","content":"abcd"}]}}]}`
+	const gemini = `{"batch":{"display_name":"x","input_config":{"requests":{"requests":[` +
+		`{"request":{"contents":[{"parts":[{"text":"abcdefgh"}]}]},"metadata":{"key":"a"}},` +
+		`{"request":{"contents":[{"parts":[{"text":"abcd"}]}],"generationConfig":{"maxOutputTokens":30}}}]}}}}`
+	for _, tc := range []struct {
+		path, body string
+		want       int64 // -1: 0 tokens and not settled
+		model      string
+	}{
+		{"/v1/messages/batches", anthropic, 3 + 150, "claude-x"},
+		{"/v1/messages/batches?beta=true", anthropic, 3 + 150, "claude-x"},
+		{"/v1beta/models/gemini-2.5-flash:batchGenerateContent", gemini, 3 + 1024 + 30, ""},
+		{"/v1/batches", `{"input_file_id":"file-abc","endpoint":"/v1/chat/completions","completion_window":"24h"}`, 1024, ""},
+		// Elsewhere, or at a path with dot segments, a server may read the
+		// body as one request, with its default budget: both are charged.
+		{"/v1/messages", anthropic, 3 + 150 + 1024, "claude-x"},
+		{"/v1/chat/completions/../../v1/messages/batches", anthropic, 3 + 150 + 1024, "claude-x"},
+		{"/v1/messages/batches/msgbatch_abc/cancel", "", -1, ""},
+	} {
+		req := httptest.NewRequest(http.MethodPost, tc.path, strings.NewReader(tc.body))
+		est, err := e.estimate(httptest.NewRecorder(), req, false)
+		got := est.prompt + est.completion
+		switch {
+		case err != nil:
+			t.Errorf("%s: %v", tc.path, err)
+		case tc.want < 0 && (got != 0 || !est.noInference):
+			t.Errorf("%s: estimate %d, not settled %v; want 0 and not settled", tc.path, got, est.noInference)
+		case tc.want >= 0 && (got != tc.want || est.noInference || est.model != tc.model):
+			t.Errorf("%s: estimate %d, not settled %v, model %q; want %d, settled, %q", tc.path, got, est.noInference, est.model, tc.want, tc.model)
+		}
+	}
+}
+
 // TestEstimateAgentNamesOnlyAfterV1: the agent and account APIs' generic
 // names (agents, sessions, projects, environments, vaults) are free only
 // right after a v1 segment, in the SDKs' shapes: Bedrock's

@@ -1167,7 +1167,9 @@ func TestExampleDemoStreamsForTheSDK(t *testing.T) {
 // costs 0 and leaves the bucket untouched, where it was charged 1029 for
 // good; beta.deployments.run (a POST without a body that starts the
 // agent's session at once) is charged default_max_tokens, where it ran
-// for nothing.
+// for nothing. A Message Batch (messages.batches.create, and through
+// beta) is charged what its three requests would be alone, where the
+// whole batch cost default_max_tokens.
 func TestSDKCallsWithoutUsage(t *testing.T) {
 	const capacity = 100000
 	lg := sdkGateway(t, llmLimiter("user 100000 1/1h tokens", "cost estimate\n\t\t\tsettle"), sdkUsage)
@@ -1187,6 +1189,9 @@ func TestSDKCallsWithoutUsage(t *testing.T) {
 		{"realtime_accept", "openai.realtime.calls.accept", nil, providertest.RealtimeAccept, http.StatusOK, 5 + 1024, `"accepted"`},
 		{"agent_create", "anthropic.agents.create", nil, providertest.Agents, http.StatusOK, 0, ""},
 		{"deployment_run", "anthropic.deployments.run", nil, providertest.DeploymentRun, http.StatusOK, 1024, ""},
+		// Three requests: 7 + 7 + 10 prompt tokens, 256 + 300 + 500 budget.
+		{"message_batch", "anthropic.batches.create", nil, providertest.MessageBatches, http.StatusOK, 24 + 1056, ""},
+		{"message_batch_beta", "anthropic.beta.batches.create", nil, providertest.MessageBatches, http.StatusOK, 24 + 1056, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			lg.t = t

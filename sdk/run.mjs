@@ -90,6 +90,15 @@ const claudeDefaults = {
   messages: [{ role: 'user', content: 'Say hello to the gateway.' }],
 };
 
+const batchRequests = [
+  ['q1', 256, 'Say hello to the gateway.'],
+  ['q2', 300, 'Name three prime numbers.'],
+  ['q3', 500, 'Summarize a token bucket in one line.'],
+].map(([id, maxTokens, text]) => ({
+  custom_id: id,
+  params: { model: claudeDefaults.model, max_tokens: maxTokens, messages: [{ role: 'user', content: text }] },
+}));
+
 // Each scenario makes one call and returns what the SDK gave back.
 const scenarios = {
   'openai.chat': async () => ({ result: await openai().chat.completions.create(params(chatDefaults)) }),
@@ -160,6 +169,14 @@ const scenarios = {
   'anthropic.deployments.run': async () => ({ result: await anthropic().beta.deployments.run('depl_test') }),
 
   'anthropic.messages': async () => ({ result: await anthropic().messages.create(params(claudeDefaults)) }),
+
+  // A Message Batch of three Messages requests (beta: the same through
+  // beta.messages.batches), answered with the batch in processing: its
+  // requests run later.
+  'anthropic.batches.create': async () =>
+    ({ result: await anthropic().messages.batches.create(params({ requests: batchRequests })) }),
+  'anthropic.beta.batches.create': async () =>
+    ({ result: await anthropic().beta.messages.batches.create(params({ requests: batchRequests })) }),
 
   'anthropic.countTokens': async () => ({
     result: await anthropic().messages.countTokens(params({ model: claudeDefaults.model, messages: claudeDefaults.messages })),

@@ -1,6 +1,9 @@
 package providertest
 
-import "encoding/json"
+import (
+	"encoding/json"
+	"fmt"
+)
 
 // Anthropic's Messages API, as its reference documents it.
 
@@ -77,4 +80,40 @@ func messagesStream(req *Request, rep *Reply) []event {
 		event{text: ev("message_stop", obj("type", "message_stop")), end: true},
 	)
 	return events
+}
+
+// messageBatch answers a Message Batch's creation as the API does: 200
+// with the batch, in_progress, every request processing, and no usage
+// (its requests run later; their usage is in the batch's results). As
+// the API, it refuses a batch without requests, or one whose request
+// lacks a custom_id or params: 400 invalid_request_error.
+func (a *answer) messageBatch() {
+	var b struct {
+		Requests []struct {
+			CustomID *string         `json:"custom_id"`
+			Params   json.RawMessage `json:"params"`
+		} `json:"requests"`
+	}
+	if err := json.Unmarshal(a.req.Body, &b); err != nil || len(b.Requests) == 0 {
+		a.error(400, "invalid_request_error", "", "requests: Field required")
+		return
+	}
+	for i, r := range b.Requests {
+		if r.CustomID == nil || len(r.Params) == 0 || r.Params[0] != '{' {
+			a.error(400, "invalid_request_error", "", fmt.Sprintf("requests.%d: custom_id and params are required", i))
+			return
+		}
+	}
+	a.json(200, obj(
+		"id", "msgbatch_test",
+		"type", "message_batch",
+		"processing_status", "in_progress",
+		"request_counts", obj("processing", len(b.Requests), "succeeded", 0, "errored", 0, "canceled", 0, "expired", 0),
+		"ended_at", nil,
+		"created_at", "2026-12-01T00:00:00Z",
+		"expires_at", "2026-12-02T00:00:00Z",
+		"archived_at", nil,
+		"cancel_initiated_at", nil,
+		"results_url", nil,
+	))
 }

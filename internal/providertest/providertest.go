@@ -59,6 +59,11 @@ const (
 	// (Anthropic's beta.deployments.run: a POST without a body), answered
 	// with the run, which reports no usage.
 	DeploymentRun API = "deployments.run" // POST /v1/deployments/depl_test/run (Anthropic)
+	// MessageBatches creates a Message Batch (Anthropic's
+	// messages.batches.create: JSON {"requests": [{"custom_id",
+	// "params"}]}), answered with the batch in processing, which reports
+	// no usage: its requests run later, their usage is in its results.
+	MessageBatches API = "messages.batches" // POST /v1/messages/batches (Anthropic)
 )
 
 // apiOf maps a request path to its API; "" for a path the server does not
@@ -87,6 +92,8 @@ func apiOf(path string) API {
 		return Agents
 	case "/v1/deployments/depl_test/run":
 		return DeploymentRun
+	case "/v1/messages/batches":
+		return MessageBatches
 	}
 	return ""
 }
@@ -101,7 +108,7 @@ func (a API) method() string {
 
 // Anthropic reports whether the API is Anthropic's (errors in its shape).
 func (a API) Anthropic() bool {
-	return a == Messages || a == CountTokens || a == Agents || a == DeploymentRun
+	return a == Messages || a == CountTokens || a == Agents || a == DeploymentRun || a == MessageBatches
 }
 
 // Usage is the token usage an answer reports.
@@ -407,6 +414,8 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 		a.w.WriteHeader(http.StatusOK)
 	case req.API == Agents:
 		a.json(http.StatusOK, mustJSON(map[string]any{"id": "agent_test", "type": "agent", "version": 1}))
+	case req.API == MessageBatches:
+		a.messageBatch()
 	case rep.Status != 0 && rep.Status != http.StatusOK && rep.InStream && req.Stream && req.API == Messages:
 		a.stream([]event{{text: "event: error\ndata: " + string(anthropicError(rep.Status, rep.ErrorType, rep.ErrorMessage)) + "\n\n"}})
 	case rep.Status != 0 && rep.Status != http.StatusOK:
