@@ -1169,7 +1169,9 @@ func TestExampleDemoStreamsForTheSDK(t *testing.T) {
 // agent's session at once) is charged default_max_tokens, where it ran
 // for nothing. A Message Batch (messages.batches.create, and through
 // beta) is charged what its three requests would be alone, where the
-// whole batch cost default_max_tokens.
+// whole batch cost default_max_tokens. A user message sent to an agent
+// session (beta.sessions.events.send) is charged its text and
+// default_max_tokens, where its text was not read.
 func TestSDKCallsWithoutUsage(t *testing.T) {
 	const capacity = 100000
 	lg := sdkGateway(t, llmLimiter("user 100000 1/1h tokens", "cost estimate\n\t\t\tsettle"), sdkUsage)
@@ -1192,6 +1194,7 @@ func TestSDKCallsWithoutUsage(t *testing.T) {
 		// Three requests: 7 + 7 + 10 prompt tokens, 256 + 300 + 500 budget.
 		{"message_batch", "anthropic.batches.create", nil, providertest.MessageBatches, http.StatusOK, 24 + 1056, ""},
 		{"message_batch_beta", "anthropic.beta.batches.create", nil, providertest.MessageBatches, http.StatusOK, 24 + 1056, ""},
+		{"session_events", "anthropic.sessions.events.send", nil, providertest.SessionEvents, http.StatusOK, 7 + 1024, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			lg.t = t

@@ -95,6 +95,9 @@
 //	                           another item is one text when a string,
 //	                           else its raw JSON text (null: nothing), as
 //	                           is a requests that is not an array
+//	events, initial_events     a content value: the events sent to an
+//	                           agent session (Anthropic's and OpenAI's
+//	                           managed agents), each read as a part
 //	batch                      Gemini's inline batch: its
 //	                           input_config.requests.requests (or
 //	                           inputConfig), read as requests is
@@ -141,7 +144,9 @@
 //	title, context, query,     of messages, tools and functions called
 //	pattern, reason, error,    (short: they count as any text, which is
 //	error_message, args,       never low), a code_interpreter_call's code
-//	response, json             and its logs, a shell_call_output's stdout
+//	response, json,            and its logs, a shell_call_output's stdout
+//	description, rubric,
+//	deny_message
 //	                           and stderr (and an Anthropic code execution
 //	                           result's), an apply_patch_call's diff, the
 //	                           title and context of an Anthropic document
@@ -152,7 +157,9 @@
 //	                           an Anthropic text editor error's message, a
 //	                           Gemini function call's args and function
 //	                           response's response, a Bedrock tool
-//	                           result's json
+//	                           result's json, an agent session outcome's
+//	                           description and rubric, a tool
+//	                           confirmation's deny_message
 //	action, actions,           an object read as a message, so that only
 //	operation                  its text counts (a shell_call's or
 //	                           local_shell_call's action, an
@@ -203,7 +210,12 @@
 // bash_code_execution_tool_result, bash_code_execution_result and the
 // text_editor_code_execution results and error, and Mistral's
 // conversation entries message.input, message.output, function.call and
-// function.result), or has neither a
+// function.result, and the agent session events user.message,
+// user.interrupt, user.tool_confirmation, user.custom_tool_result,
+// user.tool_result, user.define_outcome, system.message and OpenAI's
+// agent.session.input.message, tool_result, cancel,
+// mcp_approval_request_result and computer_use_approval_request_result),
+// or has neither a
 // type nor any of the members above nor a role; but not when it has a
 // "source" and all its sources are plain-text or content sources. So
 // image_url, input_image, image, input_audio, file, input_file,

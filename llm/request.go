@@ -419,6 +419,12 @@ func (p *parser) requestMembers(req *Request, st *requestState, top bool) error 
 		case "system", "input", "inputs", "instructions", "suffix", "contents":
 			req.Inputs = req.Inputs || string(name) == "inputs"
 			err = p.content()
+		case "events", "initial_events":
+			// The events sent to an agent session (Anthropic's
+			// beta.sessions.events.send and a session's initial events,
+			// OpenAI's beta.agents.sessions.events.create): a user
+			// message, a tool result, an outcome to reach.
+			err = p.content()
 		case "systemInstruction", "system_instruction":
 			// Gemini's system instruction, one Content ({"parts":[...]}),
 			// read as a message is.
@@ -570,7 +576,7 @@ var topLevelNames = namesOf("model", "stream", "stream_options", "max_tokens",
 	"max_completion_tokens", "max_output_tokens", "n", "best_of", "messages",
 	"system", "prompt", "input", "inputs", "instructions", "suffix", "tools",
 	"functions", "response_format", "text", "output_config", "output_format",
-	"options", "context", "images", "requests")
+	"options", "context", "images", "requests", "events", "initial_events")
 
 // includeUsage is the member of stream_options the estimate reads.
 var includeUsage = namesOf("include_usage")
@@ -593,7 +599,7 @@ func foldsTo(name []byte, names [][]byte) []byte {
 	if len(name) == 0 {
 		return nil
 	}
-	if c := name[0]; c < utf8.RuneSelf && !strings.ContainsRune("bcfimnoprstBCFIMNOPRST", rune(c)) {
+	if c := name[0]; c < utf8.RuneSelf && !strings.ContainsRune("bcefimnoprstBCEFIMNOPRST", rune(c)) {
 		return nil
 	}
 	for _, n := range names {
@@ -952,7 +958,8 @@ func (p *parser) part(message bool) error {
 			err = p.jsonText()
 		case "input", "arguments", "name", "refusal", "thinking", "code", "logs",
 			"stdout", "stderr", "diff", "title", "context", "query", "pattern",
-			"reason", "error", "error_message", "args", "response", "json":
+			"reason", "error", "error_message", "args", "response", "json",
+			"description", "rubric", "deny_message":
 			known = true
 			err = p.strOrJSON()
 		case "results":
@@ -1145,7 +1152,12 @@ func textType(t []byte) bool {
 		"text_editor_code_execution_tool_result", "text_editor_code_execution_view_result",
 		"text_editor_code_execution_create_result", "text_editor_code_execution_str_replace_result",
 		"text_editor_code_execution_tool_result_error",
-		"message.input", "message.output", "function.call", "function.result":
+		"message.input", "message.output", "function.call", "function.result",
+		"user.message", "user.interrupt", "user.tool_confirmation", "user.custom_tool_result",
+		"user.tool_result", "user.define_outcome", "system.message",
+		"agent.session.input.message", "agent.session.input.tool_result", "agent.session.input.cancel",
+		"agent.session.input.mcp_approval_request_result",
+		"agent.session.input.computer_use_approval_request_result":
 		return true
 	}
 	return false

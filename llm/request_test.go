@@ -148,6 +148,21 @@ func TestParseRequestApprox(t *testing.T) {
 		{"mistral_conversation_inputs", `{"model":"mistral-medium-latest","inputs":[{"role":"user","content":"abcd"},` +
 			`{"type":"function.result","tool_call_id":"c1","result":"efgh"},{"type":"message.output","role":"assistant","content":"ijkl"}]}`, 1 + 1 + 1, -1},
 		{"tgi_generate_inputs", `{"inputs":"abcdefgh","parameters":{"max_new_tokens":20}}`, 2, 20},
+		// Agent session events, no media part each: a user message's
+		// text, an outcome's description and rubric (its JSON text, 32
+		// bytes: 8), a confirmation's result and message, a tool result.
+		{"anthropic_session_events", `{"events":[{"type":"user.message","content":[{"type":"text","text":"abcdefgh"}]},` +
+			`{"type":"user.define_outcome","description":"abcd","rubric":{"type":"text","content":"abcd"}},` +
+			`{"type":"user.tool_confirmation","result":"deny","tool_use_id":"t","deny_message":"abcd"},` +
+			`{"type":"user.custom_tool_result","custom_tool_use_id":"t","content":[{"type":"text","text":"abcd"}]},` +
+			`{"type":"user.interrupt"}]}`, 2 + 1 + 8 + 1 + 1 + 1, -1},
+		{"anthropic_session_initial_events", `{"agent":"agent_1","environment_id":"env_1",` +
+			`"initial_events":[{"type":"user.message","content":[{"type":"text","text":"abcd"}]}]}`, 1, -1},
+		// An input message's items as JSON text (34 bytes: 9), a tool
+		// result's error.
+		{"openai_agent_session_events", `{"events":[{"type":"agent.session.input.message","input":[{"role":"user","content":"abcd"}]},` +
+			`{"type":"agent.session.input.tool_result","call_id":"c","turn_id":"t","success":false,"error":"abcd"},` +
+			`{"type":"agent.session.input.cancel"}]}`, 9 + 1, -1},
 		// Gemini's generateContent (Google AI and Vertex AI, as LiteLLM's
 		// /gemini and /vertex_ai pass-throughs send it): contents and the
 		// system instruction (camelCase or snake_case, as Google's JSON
@@ -547,6 +562,7 @@ func TestParseRequestAmbiguous(t *testing.T) {
 		{"upper_case_budget_first", `{"MAX_TOKENS":100000,"max_tokens":1}`, `member "MAX_TOKENS" is "max_tokens" in another case`},
 		{"mixed_case_messages", `{"Messages":[{"content":"abcd"}]}`, `member "Messages" is "messages" in another case`},
 		{"mixed_case_model", `{"model":"gpt-4.1-mini","Model":"gpt-4o"}`, `member "Model" is "model" in another case`},
+		{"upper_case_events", `{"Events":[{"type":"user.message","content":"abcd"}]}`, `member "Events" is "events" in another case`},
 		{"upper_case_n", `{"N":50,"max_tokens":10}`, `member "N" is "n" in another case`},
 		{"mixed_case_stream", `{"Stream":true}`, `member "Stream" is "stream" in another case`},
 		{"escaped_upper_case", `{"\u004dODEL":"gpt-4o"}`, `member "MODEL" is "model" in another case`},

@@ -168,6 +168,14 @@ const scenarios = {
   // agent's session.
   'anthropic.deployments.run': async () => ({ result: await anthropic().beta.deployments.run('depl_test') }),
 
+  // A user message sent to an agent session: JSON, answered with the
+  // events sent; the session runs it later.
+  'anthropic.sessions.events.send': async () => ({
+    result: await anthropic().beta.sessions.events.send('sesn_test', params({
+      events: [{ type: 'user.message', content: [{ type: 'text', text: 'Say hello to the gateway.' }] }],
+    })),
+  }),
+
   'anthropic.messages': async () => ({ result: await anthropic().messages.create(params(claudeDefaults)) }),
 
   // A Message Batch of three Messages requests (beta: the same through

@@ -117,3 +117,27 @@ func (a *answer) messageBatch() {
 		"results_url", nil,
 	))
 }
+
+// sessionEvents answers events sent to an agent session as the API does:
+// 200 with the events sent, each given an id, and no usage (the session
+// runs them later; its usage is the session's). It refuses a body without
+// events, or an event without a type: 400 invalid_request_error.
+func (a *answer) sessionEvents() {
+	var b struct {
+		Events []map[string]any `json:"events"`
+	}
+	if err := json.Unmarshal(a.req.Body, &b); err != nil || len(b.Events) == 0 {
+		a.error(400, "invalid_request_error", "", "events: Field required")
+		return
+	}
+	data := make([]any, len(b.Events))
+	for i, e := range b.Events {
+		if _, ok := e["type"].(string); !ok {
+			a.error(400, "invalid_request_error", "", fmt.Sprintf("events.%d.type: Field required", i))
+			return
+		}
+		e["id"] = fmt.Sprintf("sevt_test_%d", i+1)
+		data[i] = e
+	}
+	a.json(200, obj("data", data))
+}

@@ -64,6 +64,11 @@ const (
 	// "params"}]}), answered with the batch in processing, which reports
 	// no usage: its requests run later, their usage is in its results.
 	MessageBatches API = "messages.batches" // POST /v1/messages/batches (Anthropic)
+	// SessionEvents sends events to an agent session (Anthropic's
+	// beta.sessions.events.send: JSON {"events": [...]}), answered with
+	// the events as sent, which report no usage: the session runs them
+	// later.
+	SessionEvents API = "sessions.events" // POST /v1/sessions/sesn_test/events (Anthropic)
 )
 
 // apiOf maps a request path to its API; "" for a path the server does not
@@ -94,6 +99,8 @@ func apiOf(path string) API {
 		return DeploymentRun
 	case "/v1/messages/batches":
 		return MessageBatches
+	case "/v1/sessions/sesn_test/events":
+		return SessionEvents
 	}
 	return ""
 }
@@ -108,7 +115,7 @@ func (a API) method() string {
 
 // Anthropic reports whether the API is Anthropic's (errors in its shape).
 func (a API) Anthropic() bool {
-	return a == Messages || a == CountTokens || a == Agents || a == DeploymentRun || a == MessageBatches
+	return a == Messages || a == CountTokens || a == Agents || a == DeploymentRun || a == MessageBatches || a == SessionEvents
 }
 
 // Usage is the token usage an answer reports.
@@ -416,6 +423,8 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request) {
 		a.json(http.StatusOK, mustJSON(map[string]any{"id": "agent_test", "type": "agent", "version": 1}))
 	case req.API == MessageBatches:
 		a.messageBatch()
+	case req.API == SessionEvents:
+		a.sessionEvents()
 	case rep.Status != 0 && rep.Status != http.StatusOK && rep.InStream && req.Stream && req.API == Messages:
 		a.stream([]event{{text: "event: error\ndata: " + string(anthropicError(rep.Status, rep.ErrorType, rep.ErrorMessage)) + "\n\n"}})
 	case rep.Status != 0 && rep.Status != http.StatusOK:
