@@ -90,7 +90,9 @@ type Request struct {
 	// Requests is how many batched requests the body holds: the objects
 	// in the "params" (or "request") member of each item of a top-level
 	// "requests" array, as Anthropic's Message Batches send them
-	// (messages.batches.create). Each is read as a request body is, its
+	// (messages.batches.create), or of Gemini's inline batch
+	// (batch.input_config.requests.requests). Each is read as a request
+	// body is, its
 	// texts counting in PromptTokens; BatchBudget adds up the budgets
 	// they would be charged alone. 0 for a body without them.
 	Requests int64
@@ -150,15 +152,7 @@ func (r Request) topBudget(defaultMax int64) int64 {
 	case !r.budgetSure:
 		b = max(r.MaxTokens, defaultMax)
 	}
-	for _, c := range [...]int64{r.Choices, r.Prompts} {
-		if b > 0 && c > 1 {
-			if c > MaxCost/b { // b*c > MaxCost, without overflow
-				return MaxCost
-			}
-			b *= c
-		}
-	}
-	return b
+	return satMul(b, satMul(r.Choices, r.Prompts))
 }
 
 // Cost returns PromptTokens + Budget(defaultMax), at most MaxCost.
@@ -332,7 +326,7 @@ func (st *requestState) finish(req *Request) {
 // requestMembers reads the members of a request object, the top-level one
 // (top) or a batched request's (see batchRequests), up to its '}'. Its
 // texts count in p.prompt; the rest is set in req and st. Only the top
-// level reads "requests" and "stream_options".
+// level reads "stream_options" and a batch ("requests", "batch").
 func (p *parser) requestMembers(req *Request, st *requestState, top bool) error {
 	st.modelStart, st.modelEnd = -1, -1
 	for p.dec.PeekKind() != '}' {
@@ -495,11 +489,11 @@ type batchState struct {
 // Batch (messages.batches.create: a top-level "requests" array of
 // {"custom_id", "params"}, each params a Messages request) or Gemini's
 // inline batch (an array of {"request", "metadata"}, each request a
-// generateContent body). The texts of every batched
-// request count in p.prompt, and each adds to p.batch the completion
-// budget it would be charged alone (see Request.Budget). An item that is
-// not an object, and a params that is not one, count as JSON text; null
-// counts nothing.
+// generateContent body). The texts of every batched request count in
+// p.prompt, and each adds to p.batch the completion budget it would be
+// charged alone (see Request.BatchBudget). An item that is not an object
+// counts as strOrJSON counts it, a "requests" that is not an array as its
+// JSON text (null: nothing); a params that is not an object is not read.
 func (p *parser) batchRequests() error {
 	switch p.dec.PeekKind() {
 	case 'n':
