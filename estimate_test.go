@@ -533,12 +533,11 @@ func TestEstimateStoredObjects(t *testing.T) {
 		// Sessions that start the model (a user message, at creation or as
 		// an event), a dream and Anthropic's deployments (a deployments
 		// segment names an Azure model) are estimated; a session's prompt
-		// is in fields the estimate reads only in part (input; not events
-		// or initial_events).
+		// is its input, events or initial_events.
 		{"openai_session", "/v1/agents/sessions", `{"agent_id":"agent_abc","environment":{"type":"none"},"input":` + text + `}`, 11 + 1024},
-		{"openai_session_events", "/v1/agents/sessions/sess_abc/events", `{"events":[{"type":"message","content":` + text + `}]}`, 1024},
-		{"anthropic_session", "/v1/sessions", `{"agent":"agent_abc","environment_id":"env_abc","initial_events":[{"type":"user.message","content":[{"type":"text","text":` + text + `}]}]}`, 1024},
-		{"anthropic_session_events", "/v1/sessions/sesn_abc/events", `{"events":[{"type":"user.message","content":[{"type":"text","text":` + text + `}]}]}`, 1024},
+		{"openai_session_events", "/v1/agents/sessions/sess_abc/events", `{"events":[{"type":"agent.session.input.message","input":[{"role":"user","content":` + text + `}]}]}`, 11 + 1024},
+		{"anthropic_session", "/v1/sessions", `{"agent":"agent_abc","environment_id":"env_abc","initial_events":[{"type":"user.message","content":[{"type":"text","text":` + text + `}]}]}`, 11 + 1024},
+		{"anthropic_session_events", "/v1/sessions/sesn_abc/events", `{"events":[{"type":"user.message","content":[{"type":"text","text":` + text + `}]}]}`, 11 + 1024},
 		{"anthropic_dream", "/v1/dreams", `{"memory_store_id":"ms_abc"}`, 1024},
 		{"anthropic_deployment", "/v1/deployments", `{"agent":{"id":"agent_abc","type":"agent"}}`, 1024},
 		{"azure_deployment", "/openai/deployments/gpt-4o/chat/completions", `{"messages":[{"role":"user","content":""}]}`, 1024},

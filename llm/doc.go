@@ -159,7 +159,9 @@
 //	                           response's response, a Bedrock tool
 //	                           result's json, an agent session outcome's
 //	                           description and rubric, a tool
-//	                           confirmation's deny_message
+//	                           confirmation's deny_message; but an array
+//	                           input is a content value (the messages of
+//	                           an agent session's input message)
 //	action, actions,           an object read as a message, so that only
 //	operation                  its text counts (a shell_call's or
 //	                           local_shell_call's action, an

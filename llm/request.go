@@ -950,7 +950,17 @@ func (p *parser) part(message bool) error {
 			// request's own tools.
 			known = true
 			err = p.jsonText()
-		case "input", "arguments", "name", "refusal", "thinking", "code", "logs",
+		case "input":
+			// A tool call's input, a string or an object (its JSON
+			// text); an array is the messages of an agent session's
+			// input message (OpenAI's agent.session.input.message).
+			known = true
+			if p.dec.PeekKind() == '[' {
+				err = p.content()
+			} else {
+				err = p.strOrJSON()
+			}
+		case "arguments", "name", "refusal", "thinking", "code", "logs",
 			"stdout", "stderr", "diff", "title", "context", "query", "pattern",
 			"reason", "error", "error_message", "args", "response", "json",
 			"description", "rubric", "deny_message":

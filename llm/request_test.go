@@ -158,11 +158,10 @@ func TestParseRequestApprox(t *testing.T) {
 			`{"type":"user.interrupt"}]}`, 2 + 1 + 8 + 1 + 1 + 1, -1},
 		{"anthropic_session_initial_events", `{"agent":"agent_1","environment_id":"env_1",` +
 			`"initial_events":[{"type":"user.message","content":[{"type":"text","text":"abcd"}]}]}`, 1, -1},
-		// An input message's items as JSON text (34 bytes: 9), a tool
-		// result's error.
+		// An input message's messages, a tool result's error.
 		{"openai_agent_session_events", `{"events":[{"type":"agent.session.input.message","input":[{"role":"user","content":"abcd"}]},` +
 			`{"type":"agent.session.input.tool_result","call_id":"c","turn_id":"t","success":false,"error":"abcd"},` +
-			`{"type":"agent.session.input.cancel"}]}`, 9 + 1, -1},
+			`{"type":"agent.session.input.cancel"}]}`, 1 + 1, -1},
 		// Gemini's generateContent (Google AI and Vertex AI, as LiteLLM's
 		// /gemini and /vertex_ai pass-throughs send it): contents and the
 		// system instruction (camelCase or snake_case, as Google's JSON
