@@ -51,7 +51,8 @@ const (
 // completions asked for each prompt (n, best_of) and the prompts of a
 // legacy completions prompt array. The charge is capped so that a request
 // whose prompt fits the smallest tokens capacity is never denied as
-// cost_exceeds_capacity because of its budget (see tokenEstimate.cost).
+// cost_exceeds_capacity because of its budget (see tokenEstimate.cost);
+// a batch, which no usage settles, is not capped.
 // The body is read once, up to MaxBody bytes, in one linear pass, and
 // given back whole to the next handler.
 type Estimate struct {
@@ -135,6 +136,10 @@ type tokenEstimate struct {
 	// read: the whole body was read (and is given to the next handler from
 	// memory).
 	read bool
+	// batch: the body holds batched requests (llm.Request.Requests), whose
+	// answer reports no usage: the estimate is the charge, so cost does not
+	// cap it.
+	batch bool
 }
 
 // cost is the charge of the estimate against tokens limits whose smallest
@@ -145,7 +150,13 @@ type tokenEstimate struct {
 // limit would lock every such request out for good, a bug LiteLLM shipped
 // and fixed); only a prompt larger than the capacity alone is, since no
 // wait can serve it. Settlement charges what the answer really used.
+// A batch (see batch) is not capped: its answer reports no usage, so a
+// capped estimate would charge a capacity once for any number of
+// requests; one larger than capacity is denied cost_exceeds_capacity.
 func (e tokenEstimate) cost(capacity int64) int64 {
+	if e.batch {
+		return min(e.prompt+e.completion, llm.MaxCost) // each at most MaxCost: no overflow
+	}
 	if e.prompt >= capacity {
 		return e.prompt
 	}
@@ -232,7 +243,10 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 	if clean && !completes(urlPath) { // /v1/chat/completions/../../embeddings keeps its budget
 		defaultMax = 0
 	}
-	est := tokenEstimate{prompt: req.PromptTokens, model: req.Model, read: true}
+	// A body with batched requests is not capped (see tokenEstimate.cost),
+	// at a batch path or not: an upstream that normalizes the path
+	// (/v1//messages/batches) runs it as a batch all the same.
+	est := tokenEstimate{prompt: req.PromptTokens, model: req.Model, read: true, batch: req.Requests > 0}
 	if req.Requests > 0 && clean && batches(urlPath) {
 		est.completion = req.BatchBudget(defaultMax)
 	} else {

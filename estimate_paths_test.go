@@ -301,6 +301,42 @@ func TestEstimateBatches(t *testing.T) {
 	}
 }
 
+// TestEstimateBatchesNotCapped: a batch's estimate is its charge (its
+// answer reports no usage), so the cap that keeps a large max_tokens from
+// denying a request (tokenEstimate.cost) does not apply to it: a batch
+// whose requests' budgets exceed the smallest tokens capacity is denied
+// cost_exceeds_capacity, as README says, not charged that capacity once
+// for all of them. Elsewhere (a path a normalizing upstream may read as
+// the batch path) such a body is not capped either; a body without
+// batched requests still is.
+func TestEstimateBatchesNotCapped(t *testing.T) {
+	e := provisioned(t, &Estimate{})
+	// 4 bytes: 1 token; three requests of 1000 tokens' budget each.
+	item := `{"custom_id":"a","params":{"model":"claude-x","max_tokens":1000,"messages":[{"role":"user","content":"abcd"}]}}`
+	batch := `{"requests":[` + item + `,` + item + `,` + item + `]}`
+	const capacity = 2000
+	for _, tc := range []struct {
+		path, body string
+		want       int64
+	}{
+		{"/v1/messages/batches", batch, 3 + 3000},
+		{"/v1beta/models/g:batchGenerateContent", `{"batch":{"input_config":{"requests":{"requests":[` +
+			`{"request":{"contents":"abcd","generationConfig":{"maxOutputTokens":1500}}},` +
+			`{"request":{"contents":"abcd","generationConfig":{"maxOutputTokens":1500}}}]}}}}`, 2 + 3000},
+		{"/v1//messages/batches", batch, 3 + 3000 + 1024},
+		{"/v1/messages", `{"model":"claude-x","max_tokens":5000,"messages":[{"role":"user","content":"abcd"}]}`, capacity},
+	} {
+		req := httptest.NewRequest(http.MethodPost, tc.path, strings.NewReader(tc.body))
+		est, err := e.estimate(httptest.NewRecorder(), req, false)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.path, err)
+		}
+		if got := est.cost(capacity); got != tc.want {
+			t.Errorf("%s: cost %d against a capacity of %d, want %d", tc.path, got, capacity, tc.want)
+		}
+	}
+}
+
 // TestEstimateAgentNamesOnlyAfterV1: the agent and account APIs' generic
 // names (agents, sessions, projects, environments, vaults) are free only
 // right after a v1 segment, in the SDKs' shapes: Bedrock's
