@@ -325,9 +325,11 @@ func runsWithoutBody(path string) bool {
 // completes reports whether a request to path generates a completion,
 // and so is charged default_max_tokens when its body sets no budget: not
 // embeddings (OpenAI's /embeddings, Ollama's /api/embed) nor moderations,
-// whose answers carry no completion. A trailing slash is ignored.
+// whose answers carry no completion, nor Gemini's embedding batch
+// (:asyncBatchEmbedContent), whose requests embed their content. A
+// trailing slash is ignored.
 func completes(path string) bool {
-	return !endsIn(path, "/embeddings", "/embed", "/moderations")
+	return !endsIn(path, "/embeddings", "/embed", "/moderations", ":asyncBatchEmbedContent")
 }
 
 // storesObjects reports whether a request to path creates or changes a

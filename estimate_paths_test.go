@@ -272,6 +272,9 @@ func TestEstimateBatches(t *testing.T) {
 	const gemini = `{"batch":{"display_name":"x","input_config":{"requests":{"requests":[` +
 		`{"request":{"contents":[{"parts":[{"text":"abcdefgh"}]}]},"metadata":{"key":"a"}},` +
 		`{"request":{"contents":[{"parts":[{"text":"abcd"}]}],"generationConfig":{"maxOutputTokens":30}}}]}}}}`
+	const geminiEmbed = `{"batch":{"displayName":"e","inputConfig":{"requests":{"requests":[` +
+		`{"request":{"model":"models/gemini-embedding-001","content":{"parts":[{"text":"abcdefgh"}]}},"metadata":{"key":"a"}},` +
+		`{"request":{"model":"models/gemini-embedding-001","content":{"parts":[{"text":"abcd"}]}}}]}}}}`
 	for _, tc := range []struct {
 		path, body string
 		want       int64 // -1: 0 tokens and not settled
@@ -281,6 +284,10 @@ func TestEstimateBatches(t *testing.T) {
 		{"/v1/messages/batches?beta=true", anthropic, 3 + 150, "claude-x"},
 		{"/v1beta/models/gemini-2.5-flash:batchGenerateContent", gemini, 3 + 1024 + 30, ""},
 		{"/v1/batches", `{"input_file_id":"file-abc","endpoint":"/v1/chat/completions","completion_window":"24h"}`, 1024, ""},
+		// Gemini's embedding batch (asyncBatchEmbedContent): the texts of
+		// its requests' content, no completion (it was charged
+		// default_max_tokens per request and once more, for embeddings).
+		{"/v1beta/models/gemini-embedding-001:asyncBatchEmbedContent", geminiEmbed, 3, "models/gemini-embedding-001"},
 		// Elsewhere, or at a path with dot segments, a server may read the
 		// body as one request, with its default budget: both are charged.
 		{"/v1/messages", anthropic, 3 + 150 + 1024, "claude-x"},

@@ -100,7 +100,10 @@
 //	                           managed agents), each read as a part
 //	batch                      Gemini's inline batch: its
 //	                           input_config.requests.requests (or
-//	                           inputConfig), read as requests is
+//	                           inputConfig), read as requests is; a
+//	                           batched request's "content" (Gemini's
+//	                           EmbedContentRequest, in an embedding
+//	                           batch) is read as systemInstruction is
 //
 // A content value is one text when it is a string, its items when it is
 // an array, nothing when it is null, and its raw JSON text otherwise. An

@@ -326,7 +326,8 @@ func (st *requestState) finish(req *Request) {
 // requestMembers reads the members of a request object, the top-level one
 // (top) or a batched request's (see batchRequests), up to its '}'. Its
 // texts count in p.prompt; the rest is set in req and st. Only the top
-// level reads "stream_options" and a batch ("requests", "batch").
+// level reads "stream_options" and a batch ("requests", "batch"); only a
+// batched request reads "content" (an embedding request's).
 func (p *parser) requestMembers(req *Request, st *requestState, top bool) error {
 	st.modelStart, st.modelEnd = -1, -1
 	for p.dec.PeekKind() != '}' {
@@ -419,6 +420,18 @@ func (p *parser) requestMembers(req *Request, st *requestState, top bool) error 
 			// OpenAI's beta.agents.sessions.events.create): a user
 			// message, a tool result, an outcome to reach.
 			err = p.content()
+		case "content":
+			// A batched request's content: Gemini's EmbedContentRequest
+			// (asyncBatchEmbedContent), one Content read as a message is.
+			// A top-level content is no field of an API the estimate reads.
+			switch {
+			case top:
+				err = p.skip()
+			case p.dec.PeekKind() == '{':
+				err = p.part(true)
+			default:
+				err = p.content()
+			}
 		case "systemInstruction", "system_instruction":
 			// Gemini's system instruction, one Content ({"parts":[...]}),
 			// read as a message is.

@@ -1011,6 +1011,13 @@ func TestParseBatch(t *testing.T) {
 		{"gemini_inline", `{"batch":{"display_name":"x","input_config":{"requests":{"requests":[` +
 			`{"request":{"contents":[{"parts":[{"text":"abcdefgh"}]}],"generationConfig":{"maxOutputTokens":30}},"metadata":{"key":"a"}},` +
 			`{"request":{"contents":[{"parts":[{"text":"abcd"}]}]}}]}}}}`, 3, 2, 30 + def + def, 30 + def, ""},
+		// Gemini's embedding batch: each request's content (one Content,
+		// read as a message is: its parts' text, no media part).
+		{"gemini_embed_inline", `{"batch":{"inputConfig":{"requests":{"requests":[` +
+			`{"request":{"model":"models/e","content":{"parts":[{"text":"abcdefgh"}]}}},` +
+			`{"request":{"model":"models/e","content":"abcd"}}]}}}}`, 3, 2, def + def + def, def + def, "models/e"},
+		// A top-level content is not read: no API the estimate reads has one.
+		{"top_level_content_not_read", `{"content":"abcd","requests":[` + a + `]}`, 2, 1, 100 + def, 100, "claude-x"},
 		{"gemini_inline_camel_case", `{"batch":{"inputConfig":{"requests":{"requests":[{"request":{"contents":"abcd","generationConfig":{"maxOutputTokens":3}}}]}}}}`, 1, 1, 3 + def, 3, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
