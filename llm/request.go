@@ -90,11 +90,11 @@ type Request struct {
 	// Requests is how many batched requests the body holds: the objects
 	// in the "params" (or "request") member of each item of a top-level
 	// "requests" array, as Anthropic's Message Batches send them
-	// (messages.batches.create), or of Gemini's inline batch
-	// (batch.input_config.requests.requests). Each is read as a request
-	// body is, its
-	// texts counting in PromptTokens; BatchBudget adds up the budgets
-	// they would be charged alone. 0 for a body without them.
+	// (messages.batches.create), or of batch.input_config.requests.requests
+	// (or inputConfig), as Gemini's inline batches do. Each is read as a
+	// request body is, its texts counting in PromptTokens; BatchBudget
+	// adds up the budgets they would be charged alone. 0 for a body
+	// without them.
 	Requests int64
 
 	// batchBudget: the budgets the batched requests set, each times its
@@ -502,11 +502,12 @@ type batchState struct {
 // Batch (messages.batches.create: a top-level "requests" array of
 // {"custom_id", "params"}, each params a Messages request) or Gemini's
 // inline batch (an array of {"request", "metadata"}, each request a
-// generateContent body). The texts of every batched request count in
-// p.prompt, and each adds to p.batch the completion budget it would be
-// charged alone (see Request.BatchBudget). An item that is not an object
-// counts as strOrJSON counts it, a "requests" that is not an array as its
-// JSON text (null: nothing); a params that is not an object is not read.
+// generateContent or embedContent body). The texts of every batched
+// request count in p.prompt, and each adds to p.batch the completion
+// budget it would be charged alone (see Request.BatchBudget). An item that
+// is not an object counts as one text when a string, else as its JSON
+// text (null: nothing), and so does a "requests" that is not an array; a
+// params or request that is not an object counts nothing.
 func (p *parser) batchRequests() error {
 	switch p.dec.PeekKind() {
 	case 'n':
