@@ -33,7 +33,7 @@ type verdict struct {
 	local   bool            // on_redis_error decided
 	demoted bool            // decided on the penalty tier, or demoted by this denial
 	gone    bool            // the client went away before Redis answered (err: errClientGone, before its body's end): nothing decided
-	err     error           // invalid input (errInvalidBody, errBodyTimeout, errBodyTooLarge, errInvalidCost)
+	err     error           // invalid input (errInvalidBody, errBodyTimeout, errBodyTooLarge, errMixedModels, errInvalidCost)
 }
 
 // build resolves the request's tier and the buckets of its identities into
@@ -185,7 +185,7 @@ func invalidVerdict(t *tier, err error) verdict {
 		return verdict{tier: t, gone: true, err: err}
 	}
 	o := outcomeInvalidCost
-	if err == errInvalidBody || err == errBodyTimeout || err == errBodyTooLarge {
+	if err == errInvalidBody || err == errBodyTimeout || err == errBodyTooLarge || err == errMixedModels {
 		o = outcomeInvalidBody
 	}
 	return verdict{outcome: o, tier: t, err: err}

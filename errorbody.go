@@ -101,6 +101,9 @@ var (
 	invalidBodyError = errorAnswer{code: "invalid_body", oaiType: "invalid_request_error", antType: "invalid_request_error",
 		message: "The request body must be a JSON chat or completion request within the size limit.",
 		json:    []byte(`{"error":"invalid_body","message":"the request body must be a JSON chat or completion request within the size limit"}` + "\n")}
+	mixedModelsError = errorAnswer{code: "mixed_models", oaiType: "invalid_request_error", antType: "invalid_request_error",
+		message: "A batch whose requests name more than one model cannot be priced under limits that depend on the model; send one batch per model.",
+		json:    []byte(`{"error":"mixed_models","message":"a batch whose requests name more than one model cannot be priced under limits that depend on the model; send one batch per model"}` + "\n")}
 	bodyTimeoutError = errorAnswer{code: "request_timeout", oaiType: "invalid_request_error", antType: "invalid_request_error",
 		message: "The request body did not arrive in time.",
 		json:    []byte(`{"error":"request_timeout","message":"the request body did not arrive in time"}` + "\n")}

@@ -95,6 +95,10 @@ var (
 	// HTTP/2 or HTTP/3 stream reset, a connection reset): there is
 	// nothing to answer, and the body is not invalid.
 	errClientGone = errors.New("the client went away while sending the request body")
+	// errMixedModels: the body names more than one model (a batch whose
+	// requests name several), where the buckets depend on the model: no
+	// one model's limits are those of what runs.
+	errMixedModels = errors.New("request body names more than one model, where limits depend on the model")
 )
 
 // provision sets the defaults of the unset fields and builds the
@@ -136,6 +140,10 @@ type tokenEstimate struct {
 	// read: the whole body was read (and is given to the next handler from
 	// memory).
 	read bool
+	// mixedModels: the body names more than one model (a batch's
+	// requests, or they and its top level: llm.Request.MixedModels), so
+	// no one model's limits are those of what runs (see readCost).
+	mixedModels bool
 	// batch: the body holds batched requests (llm.Request.Requests), whose
 	// answer reports no usage: the estimate is the charge, so cost does not
 	// cap it.
@@ -246,8 +254,12 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 	// A body with batched requests is not capped (see tokenEstimate.cost),
 	// at a batch path or not: an upstream that normalizes the path
 	// (/v1//messages/batches) runs it as a batch all the same.
-	est := tokenEstimate{prompt: req.PromptTokens, model: req.Model, read: true, batch: req.Requests > 0}
+	est := tokenEstimate{prompt: req.PromptTokens, model: req.Model, read: true, batch: req.Requests > 0,
+		mixedModels: req.MixedModels}
 	if req.Requests > 0 && clean && batches(urlPath) {
+		if req.Endpoint != "" && !completes(req.Endpoint) {
+			defaultMax = 0 // a batch job of embeddings (Mistral's endpoint)
+		}
 		est.completion = req.BatchBudget(defaultMax)
 	} else {
 		est.completion = req.Budget(defaultMax)
@@ -509,14 +521,16 @@ func endsIn(path string, suffixes ...string) bool {
 
 // batches reports whether a request to path creates a batch whose
 // requests come in its body: Anthropic's Message Batches (a path ending in
-// /messages/batches: messages.batches.create, beta.messages.batches.create)
-// and Gemini's inline batches (a last segment ending in
-// :batchGenerateContent). It is charged what its requests would be alone
+// /messages/batches: messages.batches.create, beta.messages.batches.create),
+// Mistral's inline batch jobs (/batch/jobs: batch.jobs.create with
+// requests; its requests call the body's "endpoint", and one of
+// embeddings or moderations has no completion) and Gemini's inline
+// batches (a last segment ending in :batchGenerateContent). It is charged what its requests would be alone
 // (llm.Request.BatchBudget), not a default budget of its own besides; the
 // caller asks for a clean path, as for the rules that make a request
 // free. A trailing slash is ignored.
 func batches(path string) bool {
-	return endsIn(path, "/messages/batches", ":batchGenerateContent")
+	return endsIn(path, "/messages/batches", ":batchGenerateContent", "/batch/jobs")
 }
 
 // countsTokens reports whether a request to path counts its prompt's

@@ -288,6 +288,13 @@ func TestEstimateBatches(t *testing.T) {
 		// its requests' content, no completion (it was charged
 		// default_max_tokens per request and once more, for embeddings).
 		{"/v1beta/models/gemini-embedding-001:asyncBatchEmbedContent", geminiEmbed, 3, "models/gemini-embedding-001"},
+		// Mistral's inline batch jobs: the job's model; a job of
+		// embeddings (its endpoint) has no completion.
+		{"/v1/batch/jobs", `{"model":"mistral-small-latest","endpoint":"/v1/chat/completions","requests":[` +
+			`{"custom_id":"0","body":{"max_tokens":100,"messages":[{"role":"user","content":"abcdefgh"}]}},` +
+			`{"custom_id":"1","body":{"messages":[{"role":"user","content":"abcd"}]}}]}`, 3 + 100 + 1024, "mistral-small-latest"},
+		{"/v1/batch/jobs", `{"model":"mistral-embed","endpoint":"/v1/embeddings","requests":[` +
+			`{"custom_id":"0","body":{"input":["abcdefgh","abcd"]}}]}`, 3, "mistral-embed"},
 		// Elsewhere, or at a path with dot segments, a server may read the
 		// body as one request, with its default budget: both are charged.
 		{"/v1/messages", anthropic, 3 + 150 + 1024, "claude-x"},

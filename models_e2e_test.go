@@ -893,3 +893,57 @@ func TestModelScopedQuotaBesideBucket(t *testing.T) {
 	}
 	wantItems(t, "the denial", r.header, "api_key-tokens-per-day@gpt-4o", 200)
 }
+
+// TestModelBucketsOfAMixedBatch: where the buckets depend on the model, a
+// batch whose requests name several models (or name one and its top level
+// another) is answered 400 mixed_models before any bucket: priced under
+// one model, or none, a decoy request of another model would take a whole
+// batch out of its model's limits. A batch of one model is charged to that
+// model's buckets; without limits that depend on the model, a mixed batch
+// passes and is charged to the tier's limits.
+func TestModelBucketsOfAMixedBatch(t *testing.T) {
+	// An opus request of no text and a budget of 100 tokens.
+	req := func(id, model string) string {
+		return `{"custom_id":"` + id + `","params":{"model":"` + model + `","max_tokens":100,"messages":[]}}`
+	}
+	opus3 := req("a", "claude-opus-4") + "," + req("b", "claude-opus-4") + "," + req("c", "claude-opus-4")
+	batch := func(items string) string { return `{"requests":[` + items + `]}` }
+	keyer := bucket.NewKeyer("rl:", "")
+	const apiKey = "sk-batch"
+	all := keyer.Key("api_key", apiKey, "tokens")
+	opus := scopedKey(keyer, "api_key", apiKey, "tokens", "claude-opus-4")
+
+	lg := startLLMGateway(t, modelLimiter("api_key 100000 1/1h tokens\n\t\t\t\tapi_key 500 1/1h tokens models claude-opus*", ""))
+	r := lg.post("/v1/messages/batches", batch(opus3), "X-API-Key", apiKey, "Anthropic-Version", "2023-06-01")
+	if r.status != http.StatusOK {
+		t.Fatalf("a batch of one model: %d %s", r.status, r.body)
+	}
+	wantHeaders(t, "a batch of one model", r.header, "X-Model", "claude-opus-4", "X-Estimated-Cost", "300")
+	wantStored(t, lg.e2eGateway, all, 100000-300, opus, 500-300)
+	seen := len(lg.up.requests())
+	for _, tc := range []struct{ name, body string }{
+		{"decoy_model", batch(opus3 + "," + req("d", "nope"))},
+		{"top_level_model", `{"model":"claude-haiku-4","requests":[` + opus3 + `]}`},
+		{"duplicate_params", batch(`{"custom_id":"e","params":{"model":"claude-haiku-4","max_tokens":1,"messages":[]},` +
+			`"params":{"model":"claude-opus-4","max_tokens":100,"messages":[]}}`)},
+	} {
+		r := lg.post("/v1/messages/batches", tc.body, "X-API-Key", apiKey, "Anthropic-Version", "2023-06-01")
+		if want := string(mixedModelsError.json); r.status != http.StatusBadRequest || r.body != want {
+			t.Errorf("%s: %d %q, want 400 %q", tc.name, r.status, r.body, want)
+		}
+	}
+	if n := len(lg.up.requests()); n != seen {
+		t.Errorf("the upstream saw %d of the mixed batches, want none", n-seen)
+	}
+	wantStored(t, lg.e2eGateway, all, 100000-300, opus, 500-300)
+
+	// No limit depends on the model: the mixed batch is the tier's.
+	lg = startLLMGateway(t, modelLimiter("api_key 100000 1/1h tokens", ""))
+	r = lg.post("/v1/messages/batches", batch(opus3+","+req("d", "nope")), "X-API-Key", apiKey, "Anthropic-Version", "2023-06-01")
+	if r.status != http.StatusOK {
+		t.Fatalf("a mixed batch without scoped limits: %d %s", r.status, r.body)
+	}
+	wantHeaders(t, "a mixed batch without scoped limits", r.header, "X-Estimated-Cost", "400")
+	wantNoModel(t, "a mixed batch without scoped limits", r.header)
+	wantStored(t, lg.e2eGateway, all, 100000-400)
+}

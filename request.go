@@ -164,8 +164,7 @@ func (in *inputs) identity(h *Handler, i int) string {
 // smallest of them holds capacity tokens: with estimate, the body's
 // estimate capped to capacity (see tokenEstimate.cost), else the cost
 // template; the body or template is read on first use. A static cost
-// needs neither. It fails with errInvalidBody, errBodyTimeout or
-// errInvalidCost.
+// needs neither. It fails as readCost does.
 func (in *inputs) tokensCost(h *Handler, capacity int64) (int64, error) {
 	if h.Estimate == nil && h.cost >= 0 {
 		return h.cost, nil
@@ -181,8 +180,10 @@ func (in *inputs) tokensCost(h *Handler, capacity int64) (int64, error) {
 
 // readCost reads the request's tokens cost once: with estimate, the body
 // (which sets {http.token_bucket.model}), else the cost template. It fails
-// with errInvalidBody, errBodyTimeout or errInvalidCost, every time it is
-// called: a body is read at most once.
+// with errInvalidBody, errBodyTimeout, errBodyTooLarge, errClientGone,
+// errMixedModels (a body of several models where the buckets depend on
+// the model) or errInvalidCost, every time it is called: a body is read at
+// most once.
 func (in *inputs) readCost(h *Handler) error {
 	if in.costSet {
 		return in.costErr
@@ -191,6 +192,13 @@ func (in *inputs) readCost(h *Handler) error {
 	if h.Estimate != nil {
 		in.est, in.costErr = h.Estimate.estimate(in.w, in.r, h.Settle != nil && h.Settle.IncludeUsage)
 		in.repl.Set("http.token_bucket.model", in.est.model) // "" without a model
+		if in.costErr == nil && in.est.mixedModels && h.modelFirst {
+			// The buckets depend on the model (a limit scoped by models,
+			// a dimension or tier named by it), and the body's requests
+			// run on several: pricing them under one would let a decoy
+			// request take a batch out of another model's limits.
+			in.costErr = errMixedModels
+		}
 	} else {
 		in.cost, in.costErr = parseCost(in.repl.ReplaceAll(h.Cost, ""))
 	}

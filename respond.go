@@ -452,6 +452,8 @@ func inputError(err error) (int, *errorAnswer) {
 		return http.StatusRequestEntityTooLarge, &invalidBodyError
 	case errBodyTimeout:
 		return http.StatusRequestTimeout, &bodyTimeoutError
+	case errMixedModels:
+		return http.StatusBadRequest, &mixedModelsError
 	}
 	return http.StatusBadRequest, &invalidCostError
 }

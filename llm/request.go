@@ -87,11 +87,21 @@ type Request struct {
 	// "max_tokens":100 may use 600 completion tokens.
 	Prompts int64
 
+	// MixedModels is true when the body names more than one model: two
+	// batched requests name different ones, or one and the top level.
+	// Model is then the top level's, or "" (and the model of what runs is
+	// no one model).
+	MixedModels bool
+	// Endpoint is the top-level "endpoint" member when it is a string (the
+	// last one), else "": the API a batch job's requests call (Mistral's
+	// batch jobs, "/v1/embeddings"), read as Model is.
+	Endpoint string
 	// Requests is how many batched requests the body holds: the objects
-	// in the "params" (or "request") member of each item of a top-level
-	// "requests" array, as Anthropic's Message Batches send them
-	// (messages.batches.create), or of batch.input_config.requests.requests
-	// (or inputConfig), as Gemini's inline batches do. Each is read as a
+	// in the "params" (or "request", or "body") member of each item of a
+	// top-level "requests" array, as Anthropic's Message Batches
+	// (messages.batches.create) and Mistral's inline batch jobs send them,
+	// or of batch.input_config.requests.requests (or inputConfig), as
+	// Gemini's inline batches do. Each is read as a
 	// request body is, its texts counting in PromptTokens; BatchBudget
 	// adds up the budgets they would be charged alone. 0 for a body
 	// without them.
@@ -287,13 +297,20 @@ func (p *parser) parse() (Request, error) {
 		}
 	}
 	st.finish(&req)
+	req.MixedModels = p.batch.mixed
 	switch {
 	case st.modelStart >= 0:
 		// The top level's, also beside a batch: the model any server
-		// that reads the body as one request runs.
-		req.Model = validUTF8(p.unquote(p.body[st.modelStart:st.modelEnd]))
+		// that reads the body as one request runs (and Mistral's batch
+		// jobs run where a request names none).
+		model := p.unquote(p.body[st.modelStart:st.modelEnd])
+		req.MixedModels = req.MixedModels || p.batch.named && !bytes.Equal(model, p.batch.model)
+		req.Model = validUTF8(model)
 	case p.batch.named && !p.batch.mixed:
 		req.Model = validUTF8(p.batch.model)
+	}
+	if st.endpointStart >= 0 {
+		req.Endpoint = validUTF8(p.unquote(p.body[st.endpointStart:st.endpointEnd]))
 	}
 	req.Requests = p.batch.requests
 	req.batchBudget, req.batchDefaults = p.batch.budget, p.batch.defaults
@@ -309,6 +326,9 @@ type requestState struct {
 	numeric, null         [budgets]bool
 	seenModel, seenStream bool
 	modelStart, modelEnd  int // the model's string in the body, -1 without
+	// endpointStart, endpointEnd: the last top-level "endpoint" string's,
+	// -1 without
+	endpointStart, endpointEnd int
 }
 
 // finish sets req's budgetSure from what its members set.
@@ -330,6 +350,7 @@ func (st *requestState) finish(req *Request) {
 // batched request reads "content" (an embedding request's).
 func (p *parser) requestMembers(req *Request, st *requestState, top bool) error {
 	st.modelStart, st.modelEnd = -1, -1
+	st.endpointStart, st.endpointEnd = -1, -1
 	for p.dec.PeekKind() != '}' {
 		name, err := p.memberName()
 		if err != nil {
@@ -367,6 +388,19 @@ func (p *parser) requestMembers(req *Request, st *requestState, top bool) error 
 		case "stream_options":
 			if top {
 				err = p.streamOptions(req)
+			} else {
+				err = p.skip()
+			}
+		case "endpoint":
+			// A batch job's endpoint (Mistral's): the API its requests
+			// call. The last one, as a Python server reads it.
+			if top && p.dec.PeekKind() == '"' {
+				raw, err := p.dec.ReadValue()
+				if err != nil {
+					return syntax(err)
+				}
+				st.endpointEnd = int(p.dec.InputOffset())
+				st.endpointStart = st.endpointEnd - len(raw)
 			} else {
 				err = p.skip()
 			}
@@ -500,14 +534,16 @@ type batchState struct {
 
 // batchRequests reads the requests of a batch: Anthropic's Message
 // Batch (messages.batches.create: a top-level "requests" array of
-// {"custom_id", "params"}, each params a Messages request) or Gemini's
-// inline batch (an array of {"request", "metadata"}, each request a
-// generateContent or embedContent body). The texts of every batched
+// {"custom_id", "params"}, each params a Messages request), Mistral's
+// inline batch job (of {"custom_id", "body"}, each body a request of the
+// job's endpoint) or Gemini's inline batch (an array of {"request",
+// "metadata"}, each request a generateContent or embedContent body). The
+// texts of every batched
 // request count in p.prompt, and each adds to p.batch the completion
 // budget it would be charged alone (see Request.BatchBudget). An item that
 // is not an object counts as one text when a string, else as its JSON
 // text (null: nothing), and so does a "requests" that is not an array; a
-// params or request that is not an object counts nothing.
+// params, request or body that is not an object counts nothing.
 func (p *parser) batchRequests() error {
 	switch p.dec.PeekKind() {
 	case 'n':
@@ -521,7 +557,7 @@ func (p *parser) batchRequests() error {
 			return p.strOrJSON()
 		}
 		return p.members(func(name []byte) error {
-			if string(name) != "params" && string(name) != "request" || p.dec.PeekKind() != '{' {
+			if string(name) != "params" && string(name) != "request" && string(name) != "body" || p.dec.PeekKind() != '{' {
 				return p.skip()
 			}
 			return p.batchedRequest()
@@ -584,7 +620,7 @@ var topLevelNames = namesOf("model", "stream", "stream_options", "max_tokens",
 	"max_completion_tokens", "max_output_tokens", "n", "best_of", "messages",
 	"system", "prompt", "input", "inputs", "instructions", "suffix", "tools",
 	"functions", "response_format", "text", "output_config", "output_format",
-	"options", "context", "images", "requests", "events", "initial_events")
+	"options", "context", "images", "requests", "events", "initial_events", "batch", "endpoint")
 
 // includeUsage is the member of stream_options the estimate reads.
 var includeUsage = namesOf("include_usage")

@@ -1051,3 +1051,45 @@ func TestParseBatch(t *testing.T) {
 		t.Errorf("%v allocations per parse, want 1 (the model)", n)
 	}
 }
+
+// TestParseBatchModels: MixedModels says when a body names more than one
+// model (two batched requests, or one and the top level), whatever Model
+// then is; Endpoint is a batch job's endpoint (Mistral's). Mistral's
+// inline batch jobs name their requests "body" and may give the model at
+// the top level only.
+func TestParseBatchModels(t *testing.T) {
+	for _, tc := range []struct {
+		name, body      string
+		model, endpoint string
+		mixed           bool
+		requests        int64
+	}{
+		{"one_model", `{"requests":[{"params":{"model":"a","max_tokens":1}},{"params":{"model":"a"}}]}`, "a", "", false, 2},
+		{"a_request_without_model", `{"requests":[{"params":{"model":"a","max_tokens":1}},{"params":{}}]}`, "a", "", false, 2},
+		{"two_models", `{"requests":[{"params":{"model":"a"}},{"params":{"model":"b"}}]}`, "", "", true, 2},
+		{"top_level_and_batch_agree", `{"model":"a","requests":[{"params":{"model":"a"}}]}`, "a", "", false, 1},
+		{"top_level_and_batch_differ", `{"model":"b","requests":[{"params":{"model":"a"}}]}`, "b", "", true, 1},
+		{"duplicate_params", `{"requests":[{"params":{"model":"a"},"params":{"model":"b"}}]}`, "", "", true, 2},
+		{"mistral_job", `{"model":"mistral-small-latest","endpoint":"/v1/chat/completions",` +
+			`"requests":[{"custom_id":"0","body":{"max_tokens":100,"messages":[{"role":"user","content":"abcd"}]}}]}`,
+			"mistral-small-latest", "/v1/chat/completions", false, 1},
+		{"last_endpoint", `{"endpoint":"/v1/chat/completions","endpoint":"/v1/embeddings","requests":[]}`, "", "/v1/embeddings", false, 0},
+		{"endpoint_not_a_string", `{"endpoint":1}`, "", "", false, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			req, err := ParseRequest([]byte(tc.body), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if req.Model != tc.model || req.Endpoint != tc.endpoint || req.MixedModels != tc.mixed || req.Requests != tc.requests {
+				t.Errorf("model %q, endpoint %q, mixed %v, requests %d; want %q, %q, %v, %d",
+					req.Model, req.Endpoint, req.MixedModels, req.Requests, tc.model, tc.endpoint, tc.mixed, tc.requests)
+			}
+		})
+	}
+	for _, body := range []string{`{"Batch":{}}`, `{"ENDPOINT":"/v1/embeddings"}`} {
+		if _, err := ParseRequest([]byte(body), nil); !errors.Is(err, ErrInvalidBody) {
+			t.Errorf("%s: %v, want ErrInvalidBody", body, err)
+		}
+	}
+}
