@@ -525,10 +525,10 @@ func endsIn(path string, suffixes ...string) bool {
 // Mistral's inline batch jobs (/batch/jobs: batch.jobs.create with
 // requests; its requests call the body's "endpoint", and one of
 // embeddings or moderations has no completion) and Gemini's inline
-// batches (a last segment ending in :batchGenerateContent). It is charged what its requests would be alone
-// (llm.Request.BatchBudget), not a default budget of its own besides; the
-// caller asks for a clean path, as for the rules that make a request
-// free. A trailing slash is ignored.
+// batches (a last segment ending in :batchGenerateContent). It is charged
+// what its requests would be alone (llm.Request.BatchBudget), not a
+// default budget of its own besides; the caller asks for a clean path, as
+// for the rules that make a request free. A trailing slash is ignored.
 func batches(path string) bool {
 	return endsIn(path, "/messages/batches", ":batchGenerateContent", "/batch/jobs")
 }
