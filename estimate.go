@@ -257,8 +257,12 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 	est := tokenEstimate{prompt: req.PromptTokens, model: req.Model, read: true, batch: req.Requests > 0,
 		mixedModels: req.MixedModels}
 	if req.Requests > 0 && clean && batches(urlPath) {
-		if req.Endpoint != "" && !completes(req.Endpoint) {
-			defaultMax = 0 // a batch job of embeddings (Mistral's endpoint)
+		if req.Endpoint != "" && !completes(req.Endpoint) && endsIn(urlPath, "/batch/jobs") {
+			// A batch job of embeddings (Mistral's endpoint). Only
+			// Mistral's batch jobs have one: at another batch path it is
+			// no member of the API, and would take every request's
+			// default budget off the charge.
+			defaultMax = 0
 		}
 		est.completion = req.BatchBudget(defaultMax)
 	} else {

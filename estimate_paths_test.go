@@ -295,6 +295,11 @@ func TestEstimateBatches(t *testing.T) {
 			`{"custom_id":"1","body":{"messages":[{"role":"user","content":"abcd"}]}}]}`, 3 + 100 + 1024, "mistral-small-latest"},
 		{"/v1/batch/jobs", `{"model":"mistral-embed","endpoint":"/v1/embeddings","requests":[` +
 			`{"custom_id":"0","body":{"input":["abcdefgh","abcd"]}}]}`, 3, "mistral-embed"},
+		// An endpoint is a Mistral batch job's alone: at another batch
+		// path it takes no request's default budget off.
+		{"/v1beta/models/gemini-2.5-flash:batchGenerateContent", `{"endpoint":"/v1/embeddings",` + gemini[1:], 3 + 1024 + 30, ""},
+		{"/v1/messages/batches", `{"endpoint":"/v1/embeddings","requests":[` +
+			`{"custom_id":"a","params":{"model":"claude-x","messages":[{"role":"user","content":"abcdefgh"}]}}]}`, 2 + 1024, "claude-x"},
 		// Elsewhere, or at a path with dot segments, a server may read the
 		// body as one request, with its default budget: both are charged.
 		{"/v1/messages", anthropic, 3 + 150 + 1024, "claude-x"},
