@@ -27,8 +27,10 @@
 // a model, stream or budget the estimate did not, a body is invalid when
 //
 //   - a member of the top-level object that the estimate reads (below),
-//     or stream_options' include_usage, is spelled in another case
-//     ("MAX_TOKENS", "Model", "N", "ſtream");
+//     or stream_options' include_usage, or the params, request or body
+//     of a batch's item, or the input_config (inputConfig) and requests
+//     of Gemini's batch, is spelled in another case ("MAX_TOKENS",
+//     "Model", "N", "ſtream", "Params");
 //   - it has two "model" or two "stream" members;
 //   - its "stream" is not true, false or null.
 //
@@ -87,9 +89,10 @@
 //	text, output_config        its "format" member, as raw JSON text (the
 //	                           Responses API's and Anthropic's structured
 //	                           output schema)
-//	requests                   a batch (Anthropic's Message Batches): an
-//	                           array whose objects' "params" (or
-//	                           "request") objects are each read as a
+//	requests                   a batch (Anthropic's Message Batches,
+//	                           Mistral's inline batch jobs): an array
+//	                           whose objects' "params" (or "request", or
+//	                           "body") objects are each read as a
 //	                           request body, their texts counting here and
 //	                           their budgets in Request.BatchBudget;
 //	                           another item is one text when a string,

@@ -417,10 +417,13 @@ func (p *parser) requestMembers(req *Request, st *requestState, top bool) error 
 				// {"request", "metadata"}.
 				err = p.members(func(n []byte) error {
 					if string(n) != "input_config" && string(n) != "inputConfig" {
+						if m := foldsTo(n, inputConfigNames); m != nil {
+							return invalid("member %q of batch is %q in another case", n, m)
+						}
 						return p.skip()
 					}
-					return p.objectMember("requests", func() error {
-						return p.objectMember("requests", p.batchRequests)
+					return p.exactMember("requests", func() error {
+						return p.exactMember("requests", p.batchRequests)
 					})
 				})
 			} else {
@@ -557,10 +560,19 @@ func (p *parser) batchRequests() error {
 			return p.strOrJSON()
 		}
 		return p.members(func(name []byte) error {
-			if string(name) != "params" && string(name) != "request" && string(name) != "body" || p.dec.PeekKind() != '{' {
-				return p.skip()
+			switch string(name) {
+			case "params", "request", "body":
+				if p.dec.PeekKind() != '{' {
+					return p.skip()
+				}
+				return p.batchedRequest()
 			}
-			return p.batchedRequest()
+			if m := foldsTo(name, batchItemNames); m != nil {
+				// A Go server (encoding/json) would run it as the
+				// batched request the estimate did not read.
+				return invalid("member %q of a batched request is %q in another case", name, m)
+			}
+			return p.skip()
 		})
 	})
 }
@@ -621,6 +633,16 @@ var topLevelNames = namesOf("model", "stream", "stream_options", "max_tokens",
 	"system", "prompt", "input", "inputs", "instructions", "suffix", "tools",
 	"functions", "response_format", "text", "output_config", "output_format",
 	"options", "context", "images", "requests", "events", "initial_events", "batch", "endpoint")
+
+// batchItemNames are the members of a batch's item that hold its request
+// (Anthropic's params, Gemini's request, Mistral's body), and
+// inputConfigNames those of Gemini's batch that lead to its requests: in
+// another case, Go's encoding/json reads them as these, so a body with
+// one is invalid, as with topLevelNames.
+var (
+	batchItemNames   = namesOf("params", "request", "body")
+	inputConfigNames = namesOf("input_config", "inputConfig")
+)
 
 // includeUsage is the member of stream_options the estimate reads.
 var includeUsage = namesOf("include_usage")
@@ -1338,6 +1360,20 @@ func (p *parser) objectMember(name string, read func() error) error {
 	return p.members(func(n []byte) error {
 		if string(n) == name {
 			return read()
+		}
+		return p.skip()
+	})
+}
+
+// exactMember is objectMember for a member that a Go server would read in
+// any case: a member that is name in another case makes the body invalid.
+func (p *parser) exactMember(name string, read func() error) error {
+	return p.members(func(n []byte) error {
+		if string(n) == name {
+			return read()
+		}
+		if bytes.EqualFold(n, []byte(name)) {
+			return invalid("member %q is %q in another case", n, name)
 		}
 		return p.skip()
 	})

@@ -1087,7 +1087,18 @@ func TestParseBatchModels(t *testing.T) {
 			}
 		})
 	}
-	for _, body := range []string{`{"Batch":{}}`, `{"ENDPOINT":"/v1/embeddings"}`} {
+	for _, body := range []string{`{"Batch":{}}`, `{"ENDPOINT":"/v1/embeddings"}`,
+		// A batched request's member in another case, which Go's
+		// encoding/json (a Go gateway in front of the provider) runs as
+		// the request the estimate did not read: a decoy of a cheaper
+		// model beside it, or a batch charged one request's default.
+		`{"requests":[{"custom_id":"a","params":{"model":"cheap","max_tokens":1}},{"custom_id":"b","Params":{"model":"dear","max_tokens":100000}}]}`,
+		`{"model":"m","requests":[{"custom_id":"a","BODY":{"max_tokens":100000}}]}`,
+		`{"batch":{"input_config":{"requests":{"requests":[{"Request":{"contents":"abcd"}}]}}}}`,
+		`{"batch":{"InputConfig":{"requests":{"requests":[{"request":{"contents":"abcd"}}]}}}}`,
+		`{"batch":{"input_config":{"Requests":{"requests":[{"request":{"contents":"abcd"}}]}}}}`,
+		`{"batch":{"input_config":{"requests":{"REQUESTS":[{"request":{"contents":"abcd"}}]}}}}`,
+	} {
 		if _, err := ParseRequest([]byte(body), nil); !errors.Is(err, ErrInvalidBody) {
 			t.Errorf("%s: %v, want ErrInvalidBody", body, err)
 		}
