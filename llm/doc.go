@@ -165,9 +165,11 @@
 //	                           response's response, a Bedrock tool
 //	                           result's json, an agent session outcome's
 //	                           description and rubric, a tool
-//	                           confirmation's deny_message; but an array
-//	                           input is a content value (the messages of
-//	                           an agent session's input message)
+//	                           confirmation's deny_message; but the array
+//	                           input of a part whose type, read before
+//	                           it, is agent.session.input.message is a
+//	                           content value (the messages of an agent
+//	                           session's input message)
 //	action, actions,           an object read as a message, so that only
 //	operation                  its text counts (a shell_call's or
 //	                           local_shell_call's action, an

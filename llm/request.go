@@ -975,6 +975,7 @@ func (p *parser) part(message bool) error {
 	}
 	var typed, media, known, image, serverResult bool
 	var textSource, mediaSource bool
+	var sessionInput bool // the type, read so far, is an agent session's input message
 	mark := len(p.pending)
 	for p.dec.PeekKind() != '}' {
 		name, err := p.memberName()
@@ -989,6 +990,7 @@ func (p *parser) part(message bool) error {
 				media = media || t == nil || !textType(t)
 				image = image || string(t) == "image_generation_call"
 				serverResult = serverResult || serverToolResult(t)
+				sessionInput = string(t) == "agent.session.input.message"
 			}
 		case "output":
 			known = true
@@ -1023,11 +1025,16 @@ func (p *parser) part(message bool) error {
 			known = true
 			err = p.jsonText()
 		case "input":
-			// A tool call's input, a string or an object (its JSON
-			// text); an array is the messages of an agent session's
-			// input message (OpenAI's agent.session.input.message).
+			// A tool call's input, a string or anything else (its JSON
+			// text, every member the tool and the model read); but the
+			// array of an agent session's input message (OpenAI's
+			// agent.session.input.message), its type coming first as
+			// the SDK writes it, holds messages, read as a content
+			// value. Any other array is JSON text: read as a content
+			// value, an object item of unknown members would count as
+			// one media part, whatever it holds.
 			known = true
-			if p.dec.PeekKind() == '[' {
+			if sessionInput && p.dec.PeekKind() == '[' {
 				err = p.content()
 			} else {
 				err = p.strOrJSON()

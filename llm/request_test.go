@@ -162,6 +162,12 @@ func TestParseRequestApprox(t *testing.T) {
 		{"openai_agent_session_events", `{"events":[{"type":"agent.session.input.message","input":[{"role":"user","content":"abcd"}]},` +
 			`{"type":"agent.session.input.tool_result","call_id":"c","turn_id":"t","success":false,"error":"abcd"},` +
 			`{"type":"agent.session.input.cancel"}]}`, 1 + 1, -1},
+		// Any other array input is its JSON text (32 bytes: 8), not items
+		// (an object of unknown members would be one media part, 85,
+		// whatever it holds): a tool call's input, and an input message
+		// whose type comes after it.
+		{"tool_input_array", `{"messages":[{"role":"assistant","content":[{"type":"tool_use","input":[{"x":"abcdefghijklmnop"}]}]}]}`, 7, -1},
+		{"session_input_type_after", `{"events":[{"input":[{"x":"abcdefghijklmnop"}],"type":"agent.session.input.message"}]}`, 7, -1},
 		// Gemini's generateContent (Google AI and Vertex AI, as LiteLLM's
 		// /gemini and /vertex_ai pass-throughs send it): contents and the
 		// system instruction (camelCase or snake_case, as Google's JSON
