@@ -92,7 +92,10 @@ func goServerReads(t *testing.T, body []byte, req Request) {
 	if json.Unmarshal(body, &g) != nil {
 		return // the server answers 400 itself
 	}
-	if g.Model != req.Model || g.Stream != req.Stream {
+	// A batch without a top-level model has the model its requests name,
+	// which a server reading the body as one request does not read.
+	batchModel := g.Model == "" && req.Requests > 0
+	if g.Model != req.Model && !batchModel || g.Stream != req.Stream {
 		t.Fatalf("%q: a Go server reads model %q, stream %v; the estimate %q, %v", body, g.Model, g.Stream, req.Model, req.Stream)
 	}
 	if req.IncludeUsage && (g.StreamOptions == nil || !g.StreamOptions.IncludeUsage) {
