@@ -340,12 +340,14 @@ func runsWithoutBody(path string) bool {
 
 // completes reports whether a request to path generates a completion,
 // and so is charged default_max_tokens when its body sets no budget: not
-// embeddings (OpenAI's /embeddings, Ollama's /api/embed) nor moderations,
-// whose answers carry no completion, nor Gemini's embedding batch
-// (:asyncBatchEmbedContent), whose requests embed their content. A
-// trailing slash is ignored.
+// embeddings (OpenAI's /embeddings, Ollama's /api/embed), moderations
+// nor classifications (Mistral's /classifications, /chat/classifications),
+// whose answers carry no completion, nor Gemini's embedding batches
+// (:asyncBatchEmbedContent, :batchEmbedContents), whose requests embed
+// their content. A trailing slash is ignored.
 func completes(path string) bool {
-	return !endsIn(path, "/embeddings", "/embed", "/moderations", ":asyncBatchEmbedContent")
+	return !endsIn(path, "/embeddings", "/embed", "/moderations", "/classifications",
+		":asyncBatchEmbedContent", ":batchEmbedContents")
 }
 
 // storesObjects reports whether a request to path creates or changes a

@@ -295,6 +295,13 @@ func TestEstimateBatches(t *testing.T) {
 			`{"custom_id":"1","body":{"messages":[{"role":"user","content":"abcd"}]}}]}`, 3 + 100 + 1024, "mistral-small-latest"},
 		{"/v1/batch/jobs", `{"model":"mistral-embed","endpoint":"/v1/embeddings","requests":[` +
 			`{"custom_id":"0","body":{"input":["abcdefgh","abcd"]}}]}`, 3, "mistral-embed"},
+		{"/v1/batch/jobs", `{"model":"mistral-moderation-latest","endpoint":"/v1/chat/classifications","requests":[` +
+			`{"custom_id":"0","body":{"input":["abcdefgh","abcd"]}}]}`, 3, "mistral-moderation-latest"},
+		// Gemini's synchronous embedding batch: its items are the
+		// requests, whose content counts; no completion.
+		{"/v1beta/models/gemini-embedding-001:batchEmbedContents", `{"requests":[` +
+			`{"model":"models/gemini-embedding-001","content":{"parts":[{"text":"abcdefgh"}]}},` +
+			`{"model":"models/gemini-embedding-001","content":{"parts":[{"text":"abcd"}]}}]}`, 3, ""},
 		// An endpoint is a Mistral batch job's alone: at another batch
 		// path it takes no request's default budget off.
 		{"/v1beta/models/gemini-2.5-flash:batchGenerateContent", `{"endpoint":"/v1/embeddings",` + gemini[1:], 3 + 1024 + 30, ""},

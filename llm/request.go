@@ -566,6 +566,15 @@ func (p *parser) batchRequests() error {
 					return p.skip()
 				}
 				return p.batchedRequest()
+			case "content":
+				// An item that is a request of its own: Gemini's
+				// batchEmbedContents (an EmbedContentRequest: model,
+				// content), whose content is embedded. Its text counts;
+				// it sets no budget.
+				if p.dec.PeekKind() == '{' {
+					return p.part(true)
+				}
+				return p.content()
 			}
 			if m := foldsTo(name, batchItemNames); m != nil {
 				// A Go server (encoding/json) would run it as the
@@ -635,12 +644,13 @@ var topLevelNames = namesOf("model", "stream", "stream_options", "max_tokens",
 	"options", "context", "images", "requests", "events", "initial_events", "batch", "endpoint")
 
 // batchItemNames are the members of a batch's item that hold its request
-// (Anthropic's params, Gemini's request, Mistral's body), and
+// (Anthropic's params, Gemini's request, Mistral's body) or its text
+// (the content of Gemini's batchEmbedContents), and
 // inputConfigNames those of Gemini's batch that lead to its requests: in
 // another case, Go's encoding/json reads them as these, so a body with
 // one is invalid, as with topLevelNames.
 var (
-	batchItemNames   = namesOf("params", "request", "body")
+	batchItemNames   = namesOf("params", "request", "body", "content")
 	inputConfigNames = namesOf("input_config", "inputConfig")
 )
 

@@ -1110,3 +1110,22 @@ func TestParseBatchModels(t *testing.T) {
 		}
 	}
 }
+
+// TestParseBatchEmbedContents: Gemini's batchEmbedContents sends its
+// requests as the items themselves ({model, content}): their content
+// counts, and they set no budget nor count as batched requests. Their
+// texts were not read (1000 tokens of text estimated at 0).
+func TestParseBatchEmbedContents(t *testing.T) {
+	body := `{"requests":[{"model":"models/gemini-embedding-001","content":{"parts":[{"text":"abcdefgh"}]}},` +
+		`{"model":"models/gemini-embedding-001","content":{"parts":[{"text":"abcd"}]},"taskType":"RETRIEVAL_DOCUMENT"}]}`
+	req, err := ParseRequest([]byte(body), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if req.PromptTokens != 3 || req.Requests != 0 || req.Budget(0) != 0 {
+		t.Errorf("prompt %d, requests %d, budget %d; want 3, 0, 0", req.PromptTokens, req.Requests, req.Budget(0))
+	}
+	if _, err := ParseRequest([]byte(`{"requests":[{"Content":"abcd"}]}`), nil); !errors.Is(err, ErrInvalidBody) {
+		t.Errorf("an item's Content: %v, want ErrInvalidBody", err)
+	}
+}
