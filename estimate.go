@@ -256,6 +256,16 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 	// (/v1//messages/batches) runs it as a batch all the same.
 	est := tokenEstimate{prompt: req.PromptTokens, model: req.Model, read: true, batch: req.Requests > 0,
 		mixedModels: req.MixedModels}
+	if m := pathModel(urlPath); m != "" {
+		// Gemini's and Vertex AI's model is in the path, and it is what
+		// runs: a model the body names beside it ("models/<m>", as a
+		// batch's requests name theirs) must be the same one, and the
+		// path as it came must name it too.
+		if est.model != "" && strings.TrimPrefix(est.model, "models/") != m || !clean && pathModel(r.URL.Path) != m {
+			est.mixedModels = true
+		}
+		est.model = m
+	}
 	if req.Requests > 0 && clean && batches(urlPath) {
 		if req.Endpoint != "" && !completes(req.Endpoint) && endsIn(urlPath, "/batch/jobs") {
 			// A batch job of embeddings (Mistral's endpoint). Only
@@ -523,6 +533,23 @@ func endsIn(path string, suffixes ...string) bool {
 		}
 	}
 	return false
+}
+
+// pathModel returns the model a path names the way Gemini's API (Google
+// AI's /v1beta/models/<model>:generateContent) and Vertex AI's
+// (.../publishers/google/models/<model>:generateContent) do: a last
+// segment <model>:<method> right after a "models" segment; "" for any
+// other path. The model is a part of path, not a copy.
+func pathModel(path string) string {
+	i := strings.LastIndexByte(path, '/')
+	if i < 0 || !strings.HasSuffix(path[:i], "/models") {
+		return ""
+	}
+	model, _, ok := strings.Cut(path[i+1:], ":")
+	if !ok {
+		return ""
+	}
+	return model
 }
 
 // batches reports whether a request to path creates a batch whose

@@ -282,12 +282,12 @@ func TestEstimateBatches(t *testing.T) {
 	}{
 		{"/v1/messages/batches", anthropic, 3 + 150, "claude-x"},
 		{"/v1/messages/batches?beta=true", anthropic, 3 + 150, "claude-x"},
-		{"/v1beta/models/gemini-2.5-flash:batchGenerateContent", gemini, 3 + 1024 + 30, ""},
+		{"/v1beta/models/gemini-2.5-flash:batchGenerateContent", gemini, 3 + 1024 + 30, "gemini-2.5-flash"},
 		{"/v1/batches", `{"input_file_id":"file-abc","endpoint":"/v1/chat/completions","completion_window":"24h"}`, 1024, ""},
 		// Gemini's embedding batch (asyncBatchEmbedContent): the texts of
 		// its requests' content, no completion (it was charged
 		// default_max_tokens per request and once more, for embeddings).
-		{"/v1beta/models/gemini-embedding-001:asyncBatchEmbedContent", geminiEmbed, 3, "models/gemini-embedding-001"},
+		{"/v1beta/models/gemini-embedding-001:asyncBatchEmbedContent", geminiEmbed, 3, "gemini-embedding-001"},
 		// Mistral's inline batch jobs: the job's model; a job of
 		// embeddings (its endpoint) has no completion.
 		{"/v1/batch/jobs", `{"model":"mistral-small-latest","endpoint":"/v1/chat/completions","requests":[` +
@@ -301,10 +301,10 @@ func TestEstimateBatches(t *testing.T) {
 		// requests, whose content counts; no completion.
 		{"/v1beta/models/gemini-embedding-001:batchEmbedContents", `{"requests":[` +
 			`{"model":"models/gemini-embedding-001","content":{"parts":[{"text":"abcdefgh"}]}},` +
-			`{"model":"models/gemini-embedding-001","content":{"parts":[{"text":"abcd"}]}}]}`, 3, ""},
+			`{"model":"models/gemini-embedding-001","content":{"parts":[{"text":"abcd"}]}}]}`, 3, "gemini-embedding-001"},
 		// An endpoint is a Mistral batch job's alone: at another batch
 		// path it takes no request's default budget off.
-		{"/v1beta/models/gemini-2.5-flash:batchGenerateContent", `{"endpoint":"/v1/embeddings",` + gemini[1:], 3 + 1024 + 30, ""},
+		{"/v1beta/models/gemini-2.5-flash:batchGenerateContent", `{"endpoint":"/v1/embeddings",` + gemini[1:], 3 + 1024 + 30, "gemini-2.5-flash"},
 		{"/v1/messages/batches", `{"endpoint":"/v1/embeddings","requests":[` +
 			`{"custom_id":"a","params":{"model":"claude-x","messages":[{"role":"user","content":"abcdefgh"}]}}]}`, 2 + 1024, "claude-x"},
 		// Elsewhere, or at a path with dot segments, a server may read the
@@ -513,4 +513,51 @@ func provisioned(t testing.TB, e *Estimate) *Estimate {
 		t.Fatal(err)
 	}
 	return e
+}
+
+// TestEstimateGeminiPathModel: Gemini's and Vertex AI's model is in the
+// path (models/<model>:<method>), which is what runs: it is the
+// request's model, for limits scoped by models, where Gemini's calls had
+// none. A model the body names beside it ("models/<m>", as a batch's
+// requests name theirs) that is another one, or a path that names
+// another as it came, makes the body one of several models (400
+// mixed_models where the buckets depend on the model).
+func TestEstimateGeminiPathModel(t *testing.T) {
+	e := provisioned(t, &Estimate{})
+	const contents = `"contents":[{"parts":[{"text":"abcd"}]}]`
+	item := func(model string) string {
+		return `{"request":{"model":"` + model + `",` + contents + `}}`
+	}
+	batch := func(items string) string {
+		return `{"batch":{"input_config":{"requests":{"requests":[` + items + `]}}}}`
+	}
+	for _, tc := range []struct {
+		name, path, body string
+		model            string
+		mixed            bool
+	}{
+		{"google_ai", "/v1beta/models/gemini-2.5-pro:generateContent", `{` + contents + `}`, "gemini-2.5-pro", false},
+		{"stream", "/v1beta/models/gemini-2.5-pro:streamGenerateContent?alt=sse", `{` + contents + `}`, "gemini-2.5-pro", false},
+		{"vertex", "/v1/projects/p/locations/us-central1/publishers/google/models/gemini-2.5-pro:generateContent",
+			`{` + contents + `}`, "gemini-2.5-pro", false},
+		{"batch_same_model", "/v1beta/models/gemini-2.5-pro:batchGenerateContent",
+			batch(item("models/gemini-2.5-pro") + "," + item("gemini-2.5-pro")), "gemini-2.5-pro", false},
+		{"batch_other_model", "/v1beta/models/gemini-2.5-pro:batchGenerateContent",
+			batch(item("models/gemini-2.5-pro") + "," + item("models/gemini-2.5-flash-lite")), "gemini-2.5-pro", true},
+		{"body_other_model", "/v1beta/models/gemini-2.5-pro:generateContent", `{"model":"gemini-2.5-flash",` + contents + `}`, "gemini-2.5-pro", true},
+		{"dot_segments", "/v1beta/models/gemini-2.5-flash/../gemini-2.5-pro:generateContent", `{` + contents + `}`, "gemini-2.5-pro", true},
+		{"openai_path", "/v1/chat/completions", `{"model":"gpt-4o","messages":[]}`, "gpt-4o", false},
+		{"no_method", "/v1/models/gpt-4o", `{"model":"gpt-4o","messages":[]}`, "gpt-4o", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			req := httptest.NewRequest(http.MethodPost, "http://gateway.test"+tc.path, strings.NewReader(tc.body))
+			est, err := e.estimate(httptest.NewRecorder(), req, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if est.model != tc.model || est.mixedModels != tc.mixed {
+				t.Errorf("model %q, mixed %v; want %q, %v", est.model, est.mixedModels, tc.model, tc.mixed)
+			}
+		})
+	}
 }

@@ -304,7 +304,7 @@ func (p *parser) parse() (Request, error) {
 		// that reads the body as one request runs (and Mistral's batch
 		// jobs run where a request names none).
 		model := p.unquote(p.body[st.modelStart:st.modelEnd])
-		req.MixedModels = req.MixedModels || p.batch.named && !bytes.Equal(model, p.batch.model)
+		req.MixedModels = req.MixedModels || p.batch.named && !sameModel(model, p.batch.model)
 		req.Model = validUTF8(model)
 	case p.batch.named && !p.batch.mixed:
 		req.Model = validUTF8(p.batch.model)
@@ -617,12 +617,21 @@ func (p *parser) batchedRequest() error {
 		switch {
 		case !b.named:
 			b.model, b.named = append(b.model[:0], model...), true
-		case !bytes.Equal(model, b.model):
+		case !sameModel(model, b.model):
 			b.mixed = true
 		}
 	}
 	return nil
 }
+
+// sameModel reports whether two model names name one model: the same
+// bytes, but for a leading "models/" (Gemini names a model both
+// "models/gemini-2.5-pro" and "gemini-2.5-pro").
+func sameModel(a, b []byte) bool {
+	return bytes.Equal(bytes.TrimPrefix(a, modelsPrefix), bytes.TrimPrefix(b, modelsPrefix))
+}
+
+var modelsPrefix = []byte("models/")
 
 // satAdd returns a + b, both from 0 to MaxCost, at most MaxCost.
 func satAdd(a, b int64) int64 { return min(a+b, MaxCost) }

@@ -1076,6 +1076,9 @@ func TestParseBatchModels(t *testing.T) {
 		{"top_level_and_batch_agree", `{"model":"a","requests":[{"params":{"model":"a"}}]}`, "a", "", false, 1},
 		{"top_level_and_batch_differ", `{"model":"b","requests":[{"params":{"model":"a"}}]}`, "b", "", true, 1},
 		{"duplicate_params", `{"requests":[{"params":{"model":"a"},"params":{"model":"b"}}]}`, "", "", true, 2},
+		// Gemini names a model with and without "models/".
+		{"gemini_models_prefix", `{"requests":[{"request":{"model":"models/g"}},{"request":{"model":"g"}}]}`, "models/g", "", false, 2},
+		{"gemini_models_prefix_top_level", `{"model":"g","requests":[{"request":{"model":"models/g"}}]}`, "g", "", false, 1},
 		{"mistral_job", `{"model":"mistral-small-latest","endpoint":"/v1/chat/completions",` +
 			`"requests":[{"custom_id":"0","body":{"max_tokens":100,"messages":[{"role":"user","content":"abcd"}]}}]}`,
 			"mistral-small-latest", "/v1/chat/completions", false, 1},
