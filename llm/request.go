@@ -299,18 +299,18 @@ func (p *parser) parse() (Request, error) {
 	st.finish(&req)
 	req.MixedModels = p.batch.mixed
 	switch {
-	case st.modelStart >= 0:
+	case st.model.start >= 0:
 		// The top level's, also beside a batch: the model any server
 		// that reads the body as one request runs (and Mistral's batch
 		// jobs run where a request names none).
-		model := p.unquote(p.body[st.modelStart:st.modelEnd])
+		model := p.unquote(p.body[st.model.start:st.model.end])
 		req.MixedModels = req.MixedModels || p.batch.named && !sameModel(model, p.batch.model)
 		req.Model = validUTF8(model)
 	case p.batch.named && !p.batch.mixed:
 		req.Model = validUTF8(p.batch.model)
 	}
-	if st.endpointStart >= 0 {
-		req.Endpoint = validUTF8(p.unquote(p.body[st.endpointStart:st.endpointEnd]))
+	if st.endpoint.start >= 0 {
+		req.Endpoint = validUTF8(p.unquote(p.body[st.endpoint.start:st.endpoint.end]))
 	}
 	req.Requests = p.batch.requests
 	req.batchBudget, req.batchDefaults = p.batch.budget, p.batch.defaults
@@ -325,10 +325,8 @@ func (p *parser) parse() (Request, error) {
 type requestState struct {
 	numeric, null         [budgets]bool
 	seenModel, seenStream bool
-	modelStart, modelEnd  int // the model's string in the body, -1 without
-	// endpointStart, endpointEnd: the last top-level "endpoint" string's,
-	// -1 without
-	endpointStart, endpointEnd int
+	model                 span // the model's string in the body; start -1 without
+	endpoint              span // the last top-level "endpoint" string; start -1 without
 }
 
 // finish sets req's budgetSure from what its members set.
@@ -349,8 +347,7 @@ func (st *requestState) finish(req *Request) {
 // level reads "stream_options" and a batch ("requests", "batch"); only a
 // batched request reads "content" (an embedding request's).
 func (p *parser) requestMembers(req *Request, st *requestState, top bool) error {
-	st.modelStart, st.modelEnd = -1, -1
-	st.endpointStart, st.endpointEnd = -1, -1
+	st.model, st.endpoint = span{-1, -1}, span{-1, -1}
 	for p.dec.PeekKind() != '}' {
 		name, err := p.memberName()
 		if err != nil {
@@ -364,12 +361,7 @@ func (p *parser) requestMembers(req *Request, st *requestState, top bool) error 
 			}
 			st.seenModel = true
 			if p.dec.PeekKind() == '"' {
-				raw, err := p.dec.ReadValue()
-				if err != nil {
-					return syntax(err)
-				}
-				st.modelEnd = int(p.dec.InputOffset())
-				st.modelStart = st.modelEnd - len(raw)
+				st.model, err = p.stringSpan()
 			} else {
 				err = p.skip()
 			}
@@ -395,12 +387,7 @@ func (p *parser) requestMembers(req *Request, st *requestState, top bool) error 
 			// A batch job's endpoint (Mistral's): the API its requests
 			// call. The last one, as a Python server reads it.
 			if top && p.dec.PeekKind() == '"' {
-				raw, err := p.dec.ReadValue()
-				if err != nil {
-					return syntax(err)
-				}
-				st.endpointEnd = int(p.dec.InputOffset())
-				st.endpointStart = st.endpointEnd - len(raw)
+				st.endpoint, err = p.stringSpan()
 			} else {
 				err = p.skip()
 			}
@@ -541,11 +528,12 @@ type batchState struct {
 // inline batch job (of {"custom_id", "body"}, each body a request of the
 // job's endpoint) or Gemini's inline batch (an array of {"request",
 // "metadata"}, each request a generateContent or embedContent body). The
-// texts of every batched
-// request count in p.prompt, and each adds to p.batch the completion
-// budget it would be charged alone (see Request.BatchBudget). An item that
-// is not an object counts as one text when a string, else as its JSON
-// text (null: nothing), and so does a "requests" that is not an array; a
+// texts of every batched request count in p.prompt, and each adds to
+// p.batch the completion budget it would be charged alone (see
+// Request.BatchBudget). An item's content (Gemini's batchEmbedContents,
+// whose items are the requests) counts as a message's. An item that is
+// not an object counts as one text when a string, else as its JSON text
+// (null: nothing), and so does a "requests" that is not an array; a
 // params, request or body that is not an object counts nothing.
 func (p *parser) batchRequests() error {
 	switch p.dec.PeekKind() {
@@ -612,8 +600,8 @@ func (p *parser) batchedRequest() error {
 		// default), never less).
 		b.defaults = satAdd(b.defaults, per)
 	}
-	if st.modelStart >= 0 {
-		model := p.unquote(p.body[st.modelStart:st.modelEnd])
+	if st.model.start >= 0 {
+		model := p.unquote(p.body[st.model.start:st.model.end])
 		switch {
 		case !b.named:
 			b.model, b.named = append(b.model[:0], model...), true
@@ -805,6 +793,17 @@ func (p *parser) end() error {
 		return syntax(err)
 	}
 	return nil
+}
+
+// stringSpan reads the string the decoder is at and returns where it is
+// in the body, quotes included.
+func (p *parser) stringSpan() (span, error) {
+	raw, err := p.dec.ReadValue()
+	if err != nil {
+		return span{}, syntax(err)
+	}
+	end := int(p.dec.InputOffset())
+	return span{end - len(raw), end}, nil
 }
 
 // skipSpan reads a value, whatever it is, within MaxDepth, and returns
