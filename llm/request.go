@@ -179,10 +179,10 @@ func (r Request) Cost(defaultMax int64) int64 {
 // body that parsers read differently is invalid (see the package
 // documentation, "Names and duplicates"). The body is not
 // modified nor retained. Time and memory are linear in len(body). Under
-// Approx a parse allocates only the Model string (and a buffer for a
-// string over 64 KB with escapes, or for more than 1,024 source data or
-// result members read before their type); a BPE tokenizer allocates per
-// text. The error wraps ErrInvalidBody.
+// Approx a parse allocates only the Model and Endpoint strings (and a
+// buffer for a string over 64 KB with escapes, or for more than 1,024
+// source data or result members read before their type); a BPE
+// tokenizer allocates per text. The error wraps ErrInvalidBody.
 func ParseRequest(body []byte, tok Tokenizer) (Request, error) {
 	if tok == nil {
 		tok = approxTokenizer{}
