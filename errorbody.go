@@ -102,8 +102,8 @@ var (
 		message: "The request body must be a JSON chat or completion request within the size limit.",
 		json:    []byte(`{"error":"invalid_body","message":"the request body must be a JSON chat or completion request within the size limit"}` + "\n")}
 	mixedModelsError = errorAnswer{code: "mixed_models", oaiType: "invalid_request_error", antType: "invalid_request_error",
-		message: "A batch whose requests name more than one model cannot be priced under limits that depend on the model; send one batch per model.",
-		json:    []byte(`{"error":"mixed_models","message":"a batch whose requests name more than one model cannot be priced under limits that depend on the model; send one batch per model"}` + "\n")}
+		message: "A request that names more than one model (a batch's requests, or a body and its path) cannot be priced under limits that depend on the model; send one model per request.",
+		json:    []byte(`{"error":"mixed_models","message":"a request that names more than one model (a batch's requests, or a body and its path) cannot be priced under limits that depend on the model; send one model per request"}` + "\n")}
 	bodyTimeoutError = errorAnswer{code: "request_timeout", oaiType: "invalid_request_error", antType: "invalid_request_error",
 		message: "The request body did not arrive in time.",
 		json:    []byte(`{"error":"request_timeout","message":"the request body did not arrive in time"}` + "\n")}

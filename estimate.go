@@ -95,9 +95,10 @@ var (
 	// HTTP/2 or HTTP/3 stream reset, a connection reset): there is
 	// nothing to answer, and the body is not invalid.
 	errClientGone = errors.New("the client went away while sending the request body")
-	// errMixedModels: the body names more than one model (a batch whose
-	// requests name several), where the buckets depend on the model: no
-	// one model's limits are those of what runs.
+	// errMixedModels: the request names more than one model (a batch
+	// whose requests name several, a Gemini body and its path), where the
+	// buckets depend on the model: no one model's limits are those of what
+	// runs.
 	errMixedModels = errors.New("request body names more than one model, where limits depend on the model")
 )
 

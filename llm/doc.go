@@ -27,10 +27,11 @@
 // a model, stream or budget the estimate did not, a body is invalid when
 //
 //   - a member of the top-level object that the estimate reads (below),
-//     or stream_options' include_usage, or the params, request or body
-//     of a batch's item, or the input_config (inputConfig) and requests
-//     of Gemini's batch, is spelled in another case ("MAX_TOKENS",
-//     "Model", "N", "ſtream", "Params");
+//     or stream_options' include_usage, or the params, request, body or
+//     content of a batch's item, or such a member of a batched request,
+//     or the input_config (inputConfig) and requests of Gemini's batch,
+//     is spelled in another case ("MAX_TOKENS", "Model", "N", "ſtream",
+//     "Params");
 //   - it has two "model" or two "stream" members;
 //   - its "stream" is not true, false or null.
 //
@@ -96,8 +97,9 @@
 //	                           request body, their texts counting here and
 //	                           their budgets in Request.BatchBudget;
 //	                           another item is one text when a string,
-//	                           else its raw JSON text (null: nothing), as
-//	                           is a requests that is not an array
+//	                           else its raw JSON text (null: nothing); a
+//	                           requests that is neither an array nor null
+//	                           counts as its raw JSON text
 //	events, initial_events     a content value: the events sent to an
 //	                           agent session (Anthropic's and OpenAI's
 //	                           managed agents), each read as a part
@@ -223,8 +225,10 @@
 // function.result, and the agent session events user.message,
 // user.interrupt, user.tool_confirmation, user.custom_tool_result,
 // user.tool_result, user.define_outcome, system.message and OpenAI's
-// agent.session.input.message, tool_result, cancel,
-// mcp_approval_request_result and computer_use_approval_request_result),
+// agent.session.input.message, agent.session.input.tool_result,
+// agent.session.input.cancel,
+// agent.session.input.mcp_approval_request_result and
+// agent.session.input.computer_use_approval_request_result),
 // or has neither a
 // type nor any of the members above nor a role; but not when it has a
 // "source" and all its sources are plain-text or content sources. So
@@ -278,7 +282,8 @@
 // are read as n is. Request.Budget multiplies it by
 // the completions asked for each prompt (n, best_of) and by the number of
 // prompts (a legacy completions prompt may be an array of prompts), at
-// most MaxCost. Of a batch, Request.BatchBudget sums the budgets of its
-// requests, each read as above (a request without one at the caller's
-// default); Request.Budget adds it to the top level's.
+// most MaxCost. Of a batch, Request.BatchBudget sums its requests'
+// budgets (each times its n and prompts, plus the caller's default for
+// each that sets none or has a null duplicate) and the top level's budget
+// if it sets one; Request.Budget is the top level's Budget plus that sum.
 package llm

@@ -133,11 +133,11 @@ func (r Request) Budget(defaultMax int64) int64 {
 }
 
 // BatchBudget returns the completion budget to charge for a body sent to a
-// batch endpoint (Anthropic's Message Batches, Gemini's
-// batchGenerateContent), in tokens: what its batched requests would be
-// charged alone, the sum of their budgets plus defaultMax for each that
-// sets none (or one with a null duplicate: the larger reading's bound),
-// each times its own choices and prompts; plus the top level's budget
+// batch endpoint (Anthropic's Message Batches, Mistral's batch jobs,
+// Gemini's batchGenerateContent), in tokens: what its batched requests
+// would be charged alone, the sum of their budgets plus defaultMax for
+// each that sets none or has a null duplicate (which the provider may
+// read), each times its own choices and prompts; plus the top level's budget
 // only where it sets one, since a batch has no completion of its own. At
 // most MaxCost.
 func (r Request) BatchBudget(defaultMax int64) int64 {
