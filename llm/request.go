@@ -353,6 +353,14 @@ func (p *parser) requestMembers(req *Request, st *requestState, top bool) error 
 		if err != nil {
 			return err
 		}
+		if !top && topLevelOnly(name) {
+			// A batched request has no stream options, endpoint or
+			// batch of its own.
+			if err := p.skip(); err != nil {
+				return err
+			}
+			continue
+		}
 		b := -1
 		switch string(name) {
 		case "model":
@@ -378,44 +386,19 @@ func (p *parser) requestMembers(req *Request, st *requestState, top bool) error 
 			req.Stream = p.dec.PeekKind() == 't'
 			err = p.skip()
 		case "stream_options":
-			if top {
-				err = p.streamOptions(req)
-			} else {
-				err = p.skip()
-			}
+			err = p.streamOptions(req)
 		case "endpoint":
 			// A batch job's endpoint (Mistral's): the API its requests
 			// call. The last one, as a Python server reads it.
-			if top && p.dec.PeekKind() == '"' {
+			if p.dec.PeekKind() == '"' {
 				st.endpoint, err = p.stringSpan()
 			} else {
 				err = p.skip()
 			}
 		case "requests":
-			if top {
-				err = p.batchRequests()
-			} else {
-				err = p.skip()
-			}
+			err = p.batchRequests()
 		case "batch":
-			if top {
-				// Gemini's inline batch (batchGenerateContent):
-				// batch.input_config.requests.requests, an array of
-				// {"request", "metadata"}.
-				err = p.members(func(n []byte) error {
-					if string(n) != "input_config" && string(n) != "inputConfig" {
-						if m := foldsTo(n, inputConfigNames); m != nil {
-							return invalid("member %q of batch is %q in another case", n, m)
-						}
-						return p.skip()
-					}
-					return p.exactMember("requests", func() error {
-						return p.exactMember("requests", p.batchRequests)
-					})
-				})
-			} else {
-				err = p.skip()
-			}
+			err = p.geminiBatch()
 		case "max_tokens":
 			b = budgetMaxTokens
 		case "max_completion_tokens":
@@ -509,6 +492,33 @@ func (p *parser) requestMembers(req *Request, st *requestState, top bool) error 
 		}
 	}
 	return nil
+}
+
+// topLevelOnly reports whether name is a member only the top level reads:
+// stream options and a batch's.
+func topLevelOnly(name []byte) bool {
+	switch string(name) {
+	case "stream_options", "endpoint", "requests", "batch":
+		return true
+	}
+	return false
+}
+
+// geminiBatch reads Gemini's inline batch (batchGenerateContent):
+// batch.input_config (or inputConfig).requests.requests, an array of
+// {"request", "metadata"} (see batchRequests).
+func (p *parser) geminiBatch() error {
+	return p.members(func(n []byte) error {
+		if string(n) != "input_config" && string(n) != "inputConfig" {
+			if m := foldsTo(n, inputConfigNames); m != nil {
+				return invalid("member %q of batch is %q in another case", n, m)
+			}
+			return p.skip()
+		}
+		return p.exactMember("requests", func() error {
+			return p.exactMember("requests", p.batchRequests)
+		})
+	})
 }
 
 // batchState is what a body's batched requests add up to (see
