@@ -131,15 +131,8 @@ func (l *sseLines) endLine(c byte) {
 
 // dispatch ends an event.
 func (l *sseLines) dispatch(b *usageBody) {
-	if l.dataLines > 0 {
-		if b.events == 0 {
-			b.firstError = b.scan.errorObj
-		}
-		b.events++
-	}
+	b.endEvent(l.dataLines > 0, b.scan.errorObj, true)
 	l.dataLines = 0
-	b.scan.reset(true)
-	b.capture, b.capOver = b.capture[:0], false
 }
 
 // sseLineEnd returns the index of the first CR or LF in p, or -1.

@@ -437,16 +437,23 @@ func (b *usageBody) feedLines(p []byte) {
 			return
 		}
 		b.scan.feed(b, p[:i])
-		if b.scan.started {
-			if b.events == 0 {
-				b.firstError = b.scan.errorTop
-			}
-			b.events++
-		}
-		b.scan.reset(false)
-		b.capture, b.capOver = b.capture[:0], false
+		b.endEvent(b.scan.started, b.scan.errorTop, false)
 		p = p[i+1:]
 	}
+}
+
+// endEvent ends one event of a stream, an SSE event (sse) or an NDJSON
+// line: one that held data (counted) is counted, and the first one's
+// isError recorded; the scan and the capture start over.
+func (b *usageBody) endEvent(counted, isError, sse bool) {
+	if counted {
+		if b.events == 0 {
+			b.firstError = isError
+		}
+		b.events++
+	}
+	b.scan.reset(sse)
+	b.capture, b.capOver = b.capture[:0], false
 }
 
 // isNDJSON reports whether a Content-Type is newline-delimited JSON
