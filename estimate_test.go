@@ -75,7 +75,9 @@ func TestEstimateTable(t *testing.T) {
 		{"json_string", nil, `"hello"`, -1},
 		{"json_null", nil, `null`, -1},
 		{"json_number", nil, `42`, -1},
-		{"negative_budget", nil, `{"max_tokens":-1}`, -1},
+		// LM Studio's and llama.cpp's "no limit": the default budget.
+		{"negative_budget_default", nil, `{"messages":[{"role":"user","content":"Hi!"}],"max_tokens":-1}`, 1 + 1024},
+		{"negative_fractional_budget", nil, `{"max_tokens":-1.5}`, -1},
 		{"fractional_budget", nil, `{"max_tokens":1.5}`, -1},
 		{"budget_above_max_cost", nil, `{"max_tokens":9007199254740992}`, -1},
 		{"messages_not_an_array", nil, `{"messages":"hi"}`, -1},
@@ -225,7 +227,7 @@ func TestEstimateInvalidBodyIs400(t *testing.T) {
 		"not json",
 		"null",
 		"[]",
-		`{"max_tokens":-5}`,
+		`{"max_tokens":-5.5}`,
 		promptOfSize(1025),
 	} {
 		r := lg.post("/v1/chat/completions", body, "X-User", "alice")

@@ -268,11 +268,11 @@
 // max_completion_tokens (OpenAI chat), max_tokens (OpenAI legacy and
 // Anthropic) and max_output_tokens (Responses API) are one budget:
 // Request.MaxTokens is the largest of them. Each must be null (absent)
-// or an integer from 0 to MaxCost written without fraction or exponent,
-// and max_output_tokens may also be the string "inf" (the Realtime API's
-// unlimited budget: a session's, or a call's that realtime.calls.accept
-// sends), which sets no budget, as null does; anything else makes the
-// body invalid. The APIs that keep their budget in an object of settings
+// or an integer up to MaxCost written without fraction or exponent; a
+// negative one (LM Studio's and llama.cpp's -1, no limit) and
+// max_output_tokens's string "inf" (the Realtime API's unlimited budget:
+// a session's, or a call's that realtime.calls.accept sends) set no
+// budget, as null does; anything else makes the body invalid. The APIs that keep their budget in an object of settings
 // are read there too: Ollama's options.num_predict, Hugging Face TGI's
 // parameters.max_new_tokens, Gemini's generationConfig.maxOutputTokens
 // (generation_config.max_output_tokens) and Bedrock Converse's

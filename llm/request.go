@@ -739,10 +739,14 @@ func validUTF8(b []byte) string {
 
 func (p *parser) add(n int64) { p.prompt += n }
 
-// budget reads the value of a budget member: null, or an integer from 0
-// to MaxCost; max_output_tokens may also be "inf" (the Realtime API's
-// unlimited budget, as in realtime.calls.accept), which reads as null:
-// the body sets no budget.
+// budget reads the value of a budget member, or of n or best_of: null, or
+// an integer from 0 to MaxCost. A budget member may also be a negative
+// integer, which reads as null, no budget: LM Studio's and llama.cpp's
+// OpenAI-compatible servers take "max_tokens": -1 for no limit (llama.cpp's
+// n_predict -1), where OpenAI and vLLM refuse it, so that charging
+// defaultMax holds either way. max_output_tokens may also be "inf" (the
+// Realtime API's unlimited budget, as in realtime.calls.accept), which
+// reads as null too.
 func (p *parser) budget(name []byte) (n int64, isNull bool, err error) {
 	k := p.dec.PeekKind()
 	if k == '"' && string(name) == "max_output_tokens" {
@@ -769,21 +773,35 @@ func (p *parser) budget(name []byte) (n int64, isNull bool, err error) {
 		return 0, true, nil
 	}
 	if raw[0] == '-' {
-		return 0, false, invalid("%s %.20s is negative", name, raw)
+		if string(name) == "n" || string(name) == "best_of" || !digits(raw[1:]) {
+			return 0, false, invalid("%s %.20s is not an integer from 0", name, raw)
+		}
+		return 0, true, nil
 	}
 	if len(raw) > 16 { // MaxCost has 16 digits
 		return 0, false, invalid("%s %.20s is not an integer up to %d", name, raw, int64(MaxCost))
 	}
+	if !digits(raw) {
+		return 0, false, invalid("%s %.20s is not an integer", name, raw)
+	}
 	for _, c := range raw {
-		if c < '0' || c > '9' {
-			return 0, false, invalid("%s %.20s is not an integer", name, raw)
-		}
 		n = n*10 + int64(c-'0')
 	}
 	if n > MaxCost {
 		return 0, false, invalid("%s %s is above %d", name, raw, int64(MaxCost))
 	}
 	return n, false, nil
+}
+
+// digits reports whether b is one or more decimal digits: a JSON number
+// without sign, fraction or exponent.
+func digits(b []byte) bool {
+	for _, c := range b {
+		if c < '0' || c > '9' {
+			return false
+		}
+	}
+	return len(b) > 0
 }
 
 // begin reads the '{' or '[' the decoder is at, within MaxDepth.

@@ -450,8 +450,10 @@ func TestParseRequestApprox(t *testing.T) {
 		{"trailing_comma", `{"prompt":"a",}`, -1, 0},
 		{"single_quotes", `{'prompt':'a'}`, -1, 0},
 		{"nan", `{"temperature":NaN}`, -1, 0},
-		{"negative_budget", `{"max_tokens":-1}`, -1, 0},
-		{"negative_zero_budget", `{"max_tokens":-0}`, -1, 0},
+		{"negative_fractional_budget", `{"max_tokens":-1.5}`, -1, 0},
+		{"negative_exponent_budget", `{"max_tokens":-1e3}`, -1, 0},
+		{"negative_n", `{"n":-1}`, -1, 0},
+		{"negative_best_of", `{"best_of":-2}`, -1, 0},
 		{"fractional_budget", `{"max_tokens":1.5}`, -1, 0},
 		{"integral_float_budget", `{"max_tokens":1.0}`, -1, 0},
 		{"exponent_budget", `{"max_tokens":1e3}`, -1, 0},
@@ -463,7 +465,7 @@ func TestParseRequestApprox(t *testing.T) {
 		{"escaped_inf_max_output_tokens", `{"max_output_tokens":"\u0069nf"}`, -1, 0},
 		{"budget_above_max_cost", `{"max_tokens":9007199254740992}`, -1, 0},
 		{"budget_far_above_max_cost", `{"max_tokens":100000000000000000000000}`, -1, 0},
-		{"invalid_duplicate_budget", `{"max_tokens":5,"max_tokens":-5}`, -1, 0},
+		{"invalid_duplicate_budget", `{"max_tokens":5,"max_tokens":-5.5}`, -1, 0},
 		{"messages_not_an_array", `{"messages":"hi"}`, -1, 0},
 		{"message_not_an_object", `{"messages":["hi"]}`, -1, 0},
 		{"control_character_in_string", "{\"prompt\":\"a\x01b\"}", -1, 0},
@@ -617,6 +619,13 @@ func TestBudget(t *testing.T) {
 		// "inf" is null: the default, or the larger of it and a number.
 		{`{"prompt":"abcd","max_output_tokens":"inf"}`, 1024, 1025, -1, 1024},
 		{`{"prompt":"abcd","max_output_tokens":5,"max_output_tokens":"inf"}`, 1024, 1025, 5, 1024},
+		// A negative integer is null too: LM Studio's and llama.cpp's -1,
+		// no limit.
+		{`{"prompt":"abcd","max_tokens":-1}`, 1024, 1025, -1, 1024},
+		{`{"prompt":"abcd","max_tokens":-0}`, 1024, 1025, -1, 1024},
+		{`{"prompt":"abcd","max_completion_tokens":-99999999999999999999}`, 1024, 1025, -1, 1024},
+		{`{"prompt":"abcd","max_tokens":5,"max_tokens":-1}`, 1024, 1025, 5, 1024},
+		{`{"prompt":"abcd","max_tokens":-1,"max_completion_tokens":5}`, 5, 6, 5, 1024},
 	} {
 		req, err := ParseRequest([]byte(tc.body), nil)
 		if err != nil {
@@ -987,6 +996,7 @@ func TestParseBatch(t *testing.T) {
 		model            string
 	}{
 		{"anthropic", `{"requests":[` + a + `,` + b + `]}`, 4, 2, 150 + def, 150, "claude-x"},
+		{"one_with_no_limit", `{"requests":[` + a + `,{"custom_id":"c","params":{"model":"claude-x","max_tokens":-1,"messages":[{"role":"user","content":"abcd"}]}}]}`, 3, 2, 100 + def + def, 100 + def, "claude-x"},
 		{"one_without_budget", `{"requests":[` + a + `,{"custom_id":"c","params":{"model":"claude-x","messages":[{"role":"user","content":"abcd"}]}}]}`, 3, 2, 100 + def + def, 100 + def, "claude-x"},
 		// The provider may read the null: both are charged, the larger
 		// reading's bound.
@@ -1042,7 +1052,7 @@ func TestParseBatch(t *testing.T) {
 	for _, body := range []string{
 		`{"Requests":[]}`, // Go's encoding/json reads it as requests
 		`{"requests":[{"params":{"model":"a","model":"b"}}]}`,
-		`{"requests":[{"params":{"max_tokens":-1}}]}`,
+		`{"requests":[{"params":{"max_tokens":-1.5}}]}`,
 		`{"requests":[{"params":{"MAX_TOKENS":1}}]}`,
 		`{"requests":[{"params":{"messages":"abcd"}}]}`,
 	} {
