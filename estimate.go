@@ -353,12 +353,13 @@ func runsWithoutBody(path string) bool {
 // and so is charged default_max_tokens when its body sets no budget: not
 // embeddings (OpenAI's /embeddings, Ollama's /api/embed), moderations
 // nor classifications (Mistral's /classifications, /chat/classifications),
-// whose answers carry no completion, nor Gemini's embedding batches
-// (:asyncBatchEmbedContent, :batchEmbedContents), whose requests embed
-// their content. A trailing slash is ignored.
+// whose answers carry no completion, nor Gemini's embeddings
+// (:embedContent, and the batches :asyncBatchEmbedContent and
+// :batchEmbedContents), which embed their content. A trailing slash is
+// ignored.
 func completes(path string) bool {
 	return !endsIn(path, "/embeddings", "/embed", "/moderations", "/classifications",
-		":asyncBatchEmbedContent", ":batchEmbedContents")
+		":embedContent", ":asyncBatchEmbedContent", ":batchEmbedContents")
 }
 
 // storesObjects reports whether a request to path creates or changes a

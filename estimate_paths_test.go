@@ -327,6 +327,41 @@ func TestEstimateBatches(t *testing.T) {
 	}
 }
 
+// TestEstimateGeminiEmbedContent: Gemini's single embedding call
+// (:embedContent, models.embedContent) is charged the tokens of its
+// content and no completion. Its answer reports no usage, and it was
+// charged default_max_tokens for good: its top-level content was not read.
+func TestEstimateGeminiEmbedContent(t *testing.T) {
+	e := provisioned(t, &Estimate{})
+	// 8 bytes: 2 tokens; 4 bytes: 1.
+	const body = `{"model":"models/gemini-embedding-001","content":{"parts":[{"text":"abcdefgh"},{"text":"abcd"}]},` +
+		`"taskType":"RETRIEVAL_DOCUMENT","outputDimensionality":768}`
+	for _, tc := range []struct {
+		path, body string
+		want       int64 // -1: invalid body
+	}{
+		{"/v1beta/models/gemini-embedding-001:embedContent", body, 3},
+		{"/v1/projects/p/locations/us-central1/publishers/google/models/gemini-embedding-001:embedContent", body, 3},
+		{"/v1beta/models/gemini-embedding-001:embedContent", `{"content":{"parts":[{"text":"abcd"}]}}`, 1},
+		{"/v1beta/models/gemini-embedding-001:embedContent", `{"content":"abcdefgh"}`, 2},
+		// A path with dot segments keeps its budget (see completes).
+		{"/v1beta/models/x/../gemini-embedding-001:embedContent", body, 3 + 1024},
+		// Go's encoding/json reads Content as content.
+		{"/v1beta/models/gemini-embedding-001:embedContent", `{"Content":{"parts":[{"text":"abcd"}]}}`, -1},
+	} {
+		req := httptest.NewRequest(http.MethodPost, tc.path, strings.NewReader(tc.body))
+		est, err := e.estimate(httptest.NewRecorder(), req, false)
+		got := est.prompt + est.completion
+		switch {
+		case tc.want < 0 && err != errInvalidBody:
+			t.Errorf("%s %s: estimate %d, %v; want errInvalidBody", tc.path, tc.body, got, err)
+		case tc.want >= 0 && (err != nil || got != tc.want || est.noInference || est.model != "gemini-embedding-001"):
+			t.Errorf("%s %s: estimate %d, not settled %v, model %q, %v; want %d, settled, gemini-embedding-001",
+				tc.path, tc.body, got, est.noInference, est.model, err, tc.want)
+		}
+	}
+}
+
 // TestEstimateBatchesNotCapped: a batch's estimate is its charge (its
 // answer reports no usage), so the cap that keeps a large max_tokens from
 // denying a request (tokenEstimate.cost) does not apply to it: a batch

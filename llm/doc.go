@@ -68,6 +68,8 @@
 //	systemInstruction,         Gemini's system instruction: an object is
 //	system_instruction         read as a message, anything else as a
 //	                           content value
+//	content                    Gemini's embedContent content, read as
+//	                           systemInstruction is
 //	query                      a content value: a rerank's query (Cohere's,
 //	                           vLLM's)
 //	documents                  an array's strings are texts and its other
@@ -105,10 +107,9 @@
 //	                           managed agents), each read as a part
 //	batch                      Gemini's inline batch: its
 //	                           input_config.requests.requests (or
-//	                           inputConfig), read as requests is; a
-//	                           batched request's "content" (Gemini's
-//	                           EmbedContentRequest, in an embedding
-//	                           batch) is read as systemInstruction is
+//	                           inputConfig), read as requests is (a
+//	                           batched request's "content", in an
+//	                           embedding batch, as at the top level)
 //
 // A content value is one text when it is a string, its items when it is
 // an array, nothing when it is null, and its raw JSON text otherwise. An

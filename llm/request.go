@@ -344,8 +344,7 @@ func (st *requestState) finish(req *Request) {
 // requestMembers reads the members of a request object, the top-level one
 // (top) or a batched request's (see batchRequests), up to its '}'. Its
 // texts count in p.prompt; the rest is set in req and st. Only the top
-// level reads "stream_options" and a batch ("requests", "batch"); only a
-// batched request reads "content" (an embedding request's).
+// level reads "stream_options" and a batch ("requests", "batch").
 func (p *parser) requestMembers(req *Request, st *requestState, top bool) error {
 	st.model, st.endpoint = span{-1, -1}, span{-1, -1}
 	for p.dec.PeekKind() != '}' {
@@ -428,15 +427,12 @@ func (p *parser) requestMembers(req *Request, st *requestState, top bool) error 
 			// message, a tool result, an outcome to reach.
 			err = p.content()
 		case "content":
-			// A batched request's content: Gemini's EmbedContentRequest
-			// (asyncBatchEmbedContent), one Content read as a message is.
-			// A top-level content is no field of an API the estimate reads.
-			switch {
-			case top:
-				err = p.skip()
-			case p.dec.PeekKind() == '{':
+			// Gemini's EmbedContentRequest (:embedContent, and each of
+			// :asyncBatchEmbedContent's requests): one Content, read as
+			// a message is.
+			if p.dec.PeekKind() == '{' {
 				err = p.part(true)
-			default:
+			} else {
 				err = p.content()
 			}
 		case "systemInstruction", "system_instruction":
@@ -648,7 +644,7 @@ var topLevelNames = namesOf("model", "stream", "stream_options", "max_tokens",
 	"max_completion_tokens", "max_output_tokens", "n", "best_of", "messages",
 	"system", "prompt", "input", "inputs", "instructions", "suffix", "tools",
 	"functions", "response_format", "text", "output_config", "output_format",
-	"options", "context", "images", "requests", "events", "initial_events", "batch", "endpoint")
+	"options", "context", "images", "requests", "events", "initial_events", "batch", "endpoint", "content")
 
 // batchItemNames are the members of a batch's item that hold its request
 // (Anthropic's params, Gemini's request, Mistral's body) or its text

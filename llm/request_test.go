@@ -1032,8 +1032,8 @@ func TestParseBatch(t *testing.T) {
 		{"gemini_embed_inline", `{"batch":{"inputConfig":{"requests":{"requests":[` +
 			`{"request":{"model":"models/e","content":{"parts":[{"text":"abcdefgh"}]}}},` +
 			`{"request":{"model":"models/e","content":"abcd"}}]}}}}`, 3, 2, def + def + def, def + def, "models/e"},
-		// A top-level content is not read: no API the estimate reads has one.
-		{"top_level_content_not_read", `{"content":"abcd","requests":[` + a + `]}`, 2, 1, 100 + def, 100, "claude-x"},
+		// A top-level content is read (Gemini's embedContent has one).
+		{"top_level_content_read", `{"content":"abcd","requests":[` + a + `]}`, 3, 1, 100 + def, 100, "claude-x"},
 		{"gemini_inline_camel_case", `{"batch":{"inputConfig":{"requests":{"requests":[{"request":{"contents":"abcd","generationConfig":{"maxOutputTokens":3}}}]}}}}`, 1, 1, 3 + def, 3, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
