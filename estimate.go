@@ -133,8 +133,9 @@ type tokenEstimate struct {
 	model       string // the body's model, "" when it has none
 	// noInference: the request runs no model. It has no body (a list, a
 	// read-back of a stored response or batch, a cancel; but see
-	// runsWithoutBody), counts tokens (see countsTokens) or stores an
-	// object (see storesObjects, configures). It costs 0 tokens, and usage
+	// runsWithoutBody), counts tokens (see countsTokens), stores an
+	// object (see storesObjects, configures) or manages Ollama's models
+	// (see ollamaManages). It costs 0 tokens, and usage
 	// in its answer (a stored response's, read back) is not its own, so it
 	// is not settled.
 	noInference bool
@@ -177,9 +178,10 @@ func (e tokenEstimate) cost(capacity int64) int64 {
 // stream (see includesUsage) that does not ask for its usage is sent on
 // with stream_options.include_usage added. A request without a body (see
 // noContent, noBody), a token count (see countsTokens), a stored object
-// (see storesObjects, configures) and an upload's form (see uploads,
-// formBody) are 0 tokens; a model call sent as a form is estimated from
-// it (see formCall, formCallEstimate). A body that cannot be read is
+// (see storesObjects, configures), Ollama's management of its models (see
+// ollamaManages) and an upload's form (see uploads, formBody) are 0
+// tokens; a model call sent as a form is estimated from it (see formCall,
+// formCallEstimate). A body that cannot be read is
 // errInvalidBody, or, with on_invalid <cost>, an estimate of that cost
 // with no completion budget; a body that does not arrive in time is
 // errBodyTimeout, one over request_body's max_size errBodyTooLarge.
@@ -211,7 +213,8 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 	// /v1/chat/completions%2F..%2F..%2Fmessages%2Fcount_tokens is a chat
 	// completion to them. A form keeps its reading both ways (a client
 	// that sends one to /v1//files is still served); a token count, a
-	// stored object or a call without a completion needs a clean path:
+	// stored object, an Ollama model's management or a call without a
+	// completion needs a clean path:
 	// with dot segments or doubled slashes it may read one way to the
 	// rule and another to the upstream (/v1/chat/completions/../../threads
 	// is a thread once cleaned, a chat completion to a router by prefix),
@@ -245,7 +248,8 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		est.read = read // a whole body priced on_invalid is in memory all the same
 		return est, err
 	}
-	if clean && (countsTokens(urlPath) || storesObjects(urlPath) && !startsConversation(urlPath, req) || configures(urlPath)) {
+	if clean && (countsTokens(urlPath) || storesObjects(urlPath) && !startsConversation(urlPath, req) || configures(urlPath) ||
+		ollamaManages(urlPath)) {
 		return tokenEstimate{model: req.Model, noInference: true, read: true}, nil
 	}
 	defaultMax := e.DefaultMaxTokens
@@ -442,6 +446,51 @@ func runOrModel(seg string) bool {
 	name, _, _ := strings.Cut(seg, ";")
 	return strings.EqualFold(name, "runs") || strings.EqualFold(name, "run") ||
 		strings.EqualFold(name, "deployments") || strings.EqualFold(name, "engines")
+}
+
+// ollamaManages reports whether a request to path is one of Ollama's
+// model-management calls, which run no model and whose answers report no
+// usage (no prompt_eval_count or eval_count; pull, push and create stream
+// NDJSON status lines): POST /api/show, /api/pull, /api/push, /api/create
+// and /api/copy, and DELETE /api/delete (its client libraries' show,
+// pull, push, create, copy and delete; see Ollama's API,
+// https://github.com/ollama/ollama/blob/main/docs/api.md). The name must
+// be the one segment after the path's first "api" segment (see
+// ollamaCall), in any method, as for configures; the caller asks for a
+// clean path. A create's system prompt or messages are stored with the
+// model, not run. /api/generate without a prompt loads a model, and is
+// estimated as any generate is. A trailing slash is ignored.
+func ollamaManages(path string) bool {
+	switch ollamaCall(path) {
+	case "show", "pull", "push", "create", "copy", "delete":
+		return true
+	}
+	return false
+}
+
+// ollamaCall returns what follows the first "api" segment of path, less
+// a trailing slash: the call of Ollama's native API it names (show,
+// pull). It is "" when path has no "api" segment, or a run,
+// deployments or engines segment before it (see runOrModel: such a path
+// is never free). Segments before it are a prefix the route may keep
+// (/ollama/api/show: Open WebUI's and other proxies' mount of Ollama's
+// API), as the other rules allow one. The first "api" segment, not the
+// last, so that a path under another of Ollama's calls names none
+// (/api/chat/api/show, which a router by prefix sends to chat). The
+// segments are matched exactly, as Ollama's router (gin) matches them:
+// /api/Show or /api/show;v=1 is no call of Ollama's, and not free.
+func ollamaCall(path string) string {
+	rest := strings.TrimRight(path, "/")
+	for {
+		seg, after, found := strings.Cut(rest, "/")
+		if !found || runOrModel(seg) {
+			return ""
+		}
+		if seg == "api" {
+			return after
+		}
+		rest = after
+	}
 }
 
 // configures reports whether a request to path creates or changes an

@@ -552,6 +552,39 @@ func TestEstimateStoredObjects(t *testing.T) {
 			`{"contents":[{"parts":[{"text":` + text + `}]}],"generationConfig":{"maxOutputTokens":8192}}`, 11 + 8192},
 		{"tgi_generate", "/generate", `{"inputs":` + text + `,"parameters":{"max_new_tokens":4000}}`, 11 + 4000},
 		{"ollama_generate", "/api/generate", `{"model":"llama3.2","prompt":` + text + `,"options":{"num_predict":4000}}`, 11 + 4000},
+		// Ollama's model management runs no model, and its answers (pull,
+		// push and create stream NDJSON status lines) report no usage: its
+		// calls are free at a clean path, under a prefix too (Open WebUI's
+		// /ollama/api/...). A create's system prompt is stored, not run.
+		{"ollama_show", "/api/show", `{"model":"llama3.2","verbose":true}`, -1},
+		{"ollama_pull", "/api/pull", `{"model":"llama3.2","insecure":false,"stream":true}`, -1},
+		{"ollama_push", "/api/push", `{"model":"mattw/pygmalion:latest"}`, -1},
+		{"ollama_create", "/api/create", `{"model":"mario","from":"llama3.2","system":` + text + `}`, -1},
+		{"ollama_copy", "/api/copy", `{"source":"llama3.2","destination":"llama3.2-backup"}`, -1},
+		{"ollama_delete", "/api/delete", `{"model":"llama3.2:latest"}`, -1},
+		{"ollama_show_prefixed", "/ollama/api/show", `{"model":"llama3.2"}`, -1},
+		{"ollama_pull_trailing_slash", "/api/pull/", `{"model":"llama3.2"}`, -1},
+		// Its model calls are estimated as ever; a generate without a
+		// prompt (which loads the model) keeps its default budget.
+		{"ollama_chat", "/api/chat", `{"model":"llama3.2","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"ollama_generate_default", "/api/generate", `{"model":"llama3.2","prompt":` + text + `}`, 11 + 1024},
+		{"ollama_generate_load", "/api/generate", `{"model":"llama3.2"}`, 1024},
+		{"ollama_embed", "/api/embed", `{"model":"all-minilm","input":` + text + `}`, 11},
+		{"ollama_embeddings", "/api/embeddings", `{"model":"all-minilm","prompt":` + text + `}`, 11},
+		// A chat is never free by a crafted path: with dot segments, an
+		// escaped slash or doubled slashes (either reading may be the
+		// upstream's), under another call (a router by prefix sends
+		// /api/chat/api/show to chat), in another case or with path
+		// parameters, under a model's segment, or with more after.
+		{"ollama_chat_dotted_to_show", "/api/chat/../show", `{"model":"llama3.2","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"ollama_show_dotted_to_chat", "/api/show/../chat", `{"model":"llama3.2","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"ollama_chat_escaped_to_show", "/api/chat%2F..%2Fshow", `{"model":"llama3.2","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"ollama_show_doubled_slash", "/api//show", `{"model":"llama3.2","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"ollama_show_under_chat", "/api/chat/api/show", `{"model":"llama3.2","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"ollama_show_in_another_case", "/api/Show", `{"model":"llama3.2","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"ollama_show_with_params", "/api/show;v=1", `{"model":"llama3.2","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"ollama_show_under_deployment", "/openai/deployments/llama/api/show", `{"messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"ollama_show_then_chat", "/api/show/chat", `{"model":"llama3.2","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			req := httptest.NewRequest(http.MethodPost, tc.path, strings.NewReader(tc.body))
