@@ -54,7 +54,8 @@ const (
 // cost_exceeds_capacity because of its budget (see tokenEstimate.cost);
 // a batch, which no usage settles, is not capped.
 // The body is read once, up to MaxBody bytes, in one linear pass, and
-// given back whole to the next handler.
+// given back whole to the next handler (an Ollama blob upload's is not
+// read: see uploadsBlob).
 type Estimate struct {
 	// MaxBody is the largest body read, in bytes: 1 to 1 GiB (default
 	// 1 MiB). A larger body is invalid.
@@ -135,7 +136,7 @@ type tokenEstimate struct {
 	// read-back of a stored response or batch, a cancel; but see
 	// runsWithoutBody), counts tokens (see countsTokens), stores an
 	// object (see storesObjects, configures) or manages Ollama's models
-	// (see ollamaManages). It costs 0 tokens, and usage
+	// (see ollamaManages, uploadsBlob). It costs 0 tokens, and usage
 	// in its answer (a stored response's, read back) is not its own, so it
 	// is not settled.
 	noInference bool
@@ -180,14 +181,20 @@ func (e tokenEstimate) cost(capacity int64) int64 {
 // noContent, noBody), a token count (see countsTokens), a stored object
 // (see storesObjects, configures), Ollama's management of its models (see
 // ollamaManages) and an upload's form (see uploads, formBody) are 0
-// tokens; a model call sent as a form is estimated from it (see formCall,
-// formCallEstimate). A body that cannot be read is
+// tokens; so is an Ollama blob upload, whose body is not read at all (see
+// uploadsBlob). A model call sent as a form is estimated from it (see
+// formCall, formCallEstimate). A body that cannot be read is
 // errInvalidBody, or, with on_invalid <cost>, an estimate of that cost
 // with no completion budget; a body that does not arrive in time is
 // errBodyTimeout, one over request_body's max_size errBodyTooLarge.
 func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage bool) (tokenEstimate, error) {
 	if noContent(r) {
 		return e.noBody(r, false), nil
+	}
+	if uploadsBlob(r) {
+		// An Ollama blob, a model file of gigabytes: not read, neither
+		// into memory nor as JSON, and sent on as it comes.
+		return tokenEstimate{noInference: true}, nil
 	}
 	body, err := e.readBody(w, r)
 	if err == errBodyTimeout || err == errBodyTooLarge || err == errClientGone {
@@ -213,8 +220,8 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 	// /v1/chat/completions%2F..%2F..%2Fmessages%2Fcount_tokens is a chat
 	// completion to them. A form keeps its reading both ways (a client
 	// that sends one to /v1//files is still served); a token count, a
-	// stored object, an Ollama model's management or a call without a
-	// completion needs a clean path:
+	// stored object, an Ollama model's management or blob, or a call
+	// without a completion needs a clean path:
 	// with dot segments or doubled slashes it may read one way to the
 	// rule and another to the upstream (/v1/chat/completions/../../threads
 	// is a thread once cleaned, a chat completion to a router by prefix),
@@ -468,9 +475,28 @@ func ollamaManages(path string) bool {
 	return false
 }
 
+// ollamaBlob reports whether path is that of an Ollama blob,
+// /api/blobs/<digest> (see ollamaCall), where <digest> is "sha256:" or
+// "sha256-" and 64 hex digits, as Ollama's server reads it: the model
+// file that ollama create uploads with a POST (see uploadsBlob) after
+// asking with a HEAD whether the server has it. A trailing slash is
+// ignored.
+func ollamaBlob(path string) bool {
+	digest, ok := strings.CutPrefix(ollamaCall(path), "blobs/")
+	if !ok || len(digest) != len("sha256:")+64 || !strings.HasPrefix(digest, "sha256") || digest[6] != ':' && digest[6] != '-' {
+		return false
+	}
+	for _, c := range []byte(digest[7:]) {
+		if !('0' <= c && c <= '9' || 'a' <= c && c <= 'f' || 'A' <= c && c <= 'F') {
+			return false
+		}
+	}
+	return true
+}
+
 // ollamaCall returns what follows the first "api" segment of path, less
 // a trailing slash: the call of Ollama's native API it names (show,
-// pull). It is "" when path has no "api" segment, or a run,
+// blobs/<digest>). It is "" when path has no "api" segment, or a run,
 // deployments or engines segment before it (see runOrModel: such a path
 // is never free). Segments before it are a prefix the route may keep
 // (/ollama/api/show: Open WebUI's and other proxies' mount of Ollama's
@@ -491,6 +517,19 @@ func ollamaCall(path string) string {
 		}
 		rest = after
 	}
+}
+
+// uploadsBlob reports whether r uploads an Ollama blob: a POST to a clean
+// path (see cleanPath, estimate) that is a blob's (see ollamaBlob). Its
+// body is a model file (GGUF, safetensors) of up to many gigabytes, not
+// JSON, sent without a Content-Type or as application/octet-stream, and
+// its answer (201 Created) reports no usage. The estimate does not read
+// it (read within max_body, it was refused as invalid, and ollama create
+// failed): it costs 0 tokens, is not settled, and reaches the next
+// handler as it comes (read_timeout does not bound it; Caddy's servers {
+// timeouts { read_body } } does).
+func uploadsBlob(r *http.Request) bool {
+	return r.Method == http.MethodPost && ollamaBlob(r.URL.Path) && cleanPath(r.URL.Path) == r.URL.Path
 }
 
 // configures reports whether a request to path creates or changes an

@@ -1,6 +1,7 @@
 package tokenbucket
 
 import (
+	"bytes"
 	"errors"
 	"io"
 	"net/http"
@@ -594,5 +595,109 @@ func TestEstimateGeminiPathModel(t *testing.T) {
 				t.Errorf("model %q, mixed %v; want %q, %v", est.model, est.mixedModels, tc.model, tc.mixed)
 			}
 		})
+	}
+}
+
+// countingReader counts the bytes read from it.
+type countingReader struct {
+	r io.Reader
+	n int64
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n += int64(n)
+	return n, err
+}
+
+// ollamaModelFile is a stand-in for a GGUF model file of n bytes: its
+// magic, then bytes of every value (no JSON).
+func ollamaModelFile(n int) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(i*7 + i>>8)
+	}
+	copy(b, "GGUF\x03\x00\x00\x00")
+	return b
+}
+
+// TestEstimateOllamaBlobs: ollama create uploads a model file (GGUF,
+// gigabytes) to POST /api/blobs/<digest> before it calls /api/create:
+// the estimate does not read it at all (not into memory, not as JSON), so
+// a file over max_body (3 MiB here, 1 MiB by default) or of unknown
+// length (chunked) is 0 tokens and not settled, not 400 invalid_body, and
+// reaches the next handler byte for byte. Only at a clean path whose
+// last segments are Ollama's, with its digest (sha256: or sha256- and 64
+// hex digits): at any other the body is read as ever, and a binary one
+// is invalid. DELETE /api/delete is free as its POST is.
+func TestEstimateOllamaBlobs(t *testing.T) {
+	e := provisioned(t, &Estimate{})
+	blob := ollamaModelFile(3 << 20)
+	sum := sha256Hex(string(blob))
+	digest := "sha256:" + sum
+	for _, tc := range []struct {
+		name, method, path string
+		body               []byte
+		unknownLength      bool   // sent chunked: no Content-Length
+		contentType        string // "" for none, as ollama create sends it
+		free               bool   // else: read, and an invalid body
+	}{
+		{"upload", http.MethodPost, "/api/blobs/" + digest, blob, false, "", true},
+		{"upload_octet_stream", http.MethodPost, "/api/blobs/" + digest, blob, false, "application/octet-stream", true},
+		{"upload_chunked", http.MethodPost, "/api/blobs/" + digest, blob, true, "", true},
+		{"upload_small", http.MethodPost, "/api/blobs/" + digest, blob[:4096], false, "", true},
+		{"upload_json_labelled", http.MethodPost, "/api/blobs/" + digest, blob, false, "application/json", true},
+		{"upload_dash_digest", http.MethodPost, "/api/blobs/sha256-" + strings.ToUpper(sum), blob, false, "", true},
+		{"upload_prefixed", http.MethodPost, "/ollama/api/blobs/" + digest, blob, false, "", true},
+		{"upload_trailing_slash", http.MethodPost, "/api/blobs/" + digest + "/", blob, false, "", true},
+		{"upload_dotted_to_chat", http.MethodPost, "/api/blobs/" + digest + "/../../chat", blob[:4096], false, "", false},
+		{"upload_dotted_from_chat", http.MethodPost, "/api/chat/../blobs/" + digest, blob[:4096], false, "", false},
+		{"upload_doubled_slash", http.MethodPost, "/api//blobs/" + digest, blob[:4096], false, "", false},
+		{"upload_under_chat", http.MethodPost, "/api/chat/api/blobs/" + digest, blob[:4096], false, "", false},
+		{"upload_short_digest", http.MethodPost, "/api/blobs/" + digest[:len(digest)-1], blob[:4096], false, "", false},
+		{"upload_not_hex", http.MethodPost, "/api/blobs/sha256:" + strings.Repeat("g", 64), blob[:4096], false, "", false},
+		{"upload_other_digest", http.MethodPost, "/api/blobs/sha512:" + sum, blob[:4096], false, "", false},
+		{"upload_more_segments", http.MethodPost, "/api/blobs/" + digest + "/chat", blob[:4096], false, "", false},
+		{"put", http.MethodPut, "/api/blobs/" + digest, blob[:4096], false, "", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cr := &countingReader{r: bytes.NewReader(tc.body)}
+			req := httptest.NewRequest(tc.method, tc.path, cr)
+			if !tc.unknownLength {
+				req.ContentLength = int64(len(tc.body))
+			}
+			if tc.contentType != "" {
+				req.Header.Set("Content-Type", tc.contentType)
+			}
+			est, err := e.estimate(httptest.NewRecorder(), req, false)
+			got := est.prompt + est.completion
+			switch {
+			case tc.free && (err != nil || got != 0 || !est.noInference || est.read || cr.n != 0):
+				t.Errorf("estimate %d, not settled %v, read %v (%d bytes), %v; want 0 tokens, not settled, unread",
+					got, est.noInference, est.read, cr.n, err)
+			case !tc.free && (!errors.Is(err, errInvalidBody) || cr.n == 0):
+				t.Errorf("estimate %d, %v, %d bytes read; want the body read and errInvalidBody", got, err, cr.n)
+			}
+			rest, err := io.ReadAll(req.Body)
+			if err != nil || !bytes.Equal(rest, tc.body) {
+				t.Errorf("body after the estimate: %d bytes, %v; want the %d of the original", len(rest), err, len(tc.body))
+			}
+		})
+	}
+	// A chat body at a crafted blob path is read and estimated.
+	const chat = `{"model":"llama3.2","messages":[{"role":"user","content":"abcd"}]}`
+	for _, p := range []string{"/api/chat/../blobs/" + digest, "/api/blobs/" + digest + "/../../chat", "/api/chat/api/blobs/" + digest} {
+		req := httptest.NewRequest(http.MethodPost, p, strings.NewReader(chat))
+		est, err := e.estimate(httptest.NewRecorder(), req, false)
+		if got := est.prompt + est.completion; err != nil || got != 1+1024 || est.noInference {
+			t.Errorf("%s: estimate %d, not settled %v, %v; want %d and settled", p, got, est.noInference, err, 1+1024)
+		}
+	}
+	// Ollama deletes a model with DELETE /api/delete and a JSON body.
+	req := httptest.NewRequest(http.MethodDelete, "/api/delete", strings.NewReader(`{"model":"llama3.2:latest"}`))
+	est, err := e.estimate(httptest.NewRecorder(), req, false)
+	if got := est.prompt + est.completion; err != nil || got != 0 || !est.noInference || est.model != "llama3.2:latest" {
+		t.Errorf("DELETE /api/delete: estimate %d, not settled %v, model %q, %v; want 0 tokens, not settled, llama3.2:latest",
+			got, est.noInference, est.model, err)
 	}
 }

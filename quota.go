@@ -95,9 +95,10 @@ func (h *Handler) holdable(x *exchange) bool {
 // would price it unread and unholdable. (So such a body within max_body
 // is told max_wait more by the cache than by Redis: a Retry-After too
 // long, never one after which it is denied again.) Once the cost is set,
-// the estimate has run, and x.est.read says what it read.
+// the estimate has run, and x.est.read says what it read. An Ollama blob
+// upload's body is never read (see uploadsBlob).
 func (h *Handler) readsBody(x *exchange) bool {
-	if x.costSet || h.Estimate == nil || !x.req.hasTokens() {
+	if x.costSet || h.Estimate == nil || !x.req.hasTokens() || uploadsBlob(x.r) {
 		return false
 	}
 	if n := x.r.ContentLength; n >= 0 {

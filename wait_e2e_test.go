@@ -1818,7 +1818,7 @@ func TestWaitHTTP2CachedDenialOfABodyTheEstimateReads(t *testing.T) {
 // within max_body; one of unknown length unless on_invalid <cost> would
 // price it unread should it be longer. Not once the estimate has run
 // (the cost is set: what it read is known), nor without an estimate or
-// tokens limits. And a body
+// tokens limits, nor for an Ollama blob upload. And a body
 // that on_invalid prices once read whole is read: holdable.
 func TestReadsBody(t *testing.T) {
 	priced, refused := int64(5), int64(-1)
@@ -1869,5 +1869,11 @@ func TestReadsBody(t *testing.T) {
 	est, err := e.estimate(httptest.NewRecorder(), r, false)
 	if err != nil || est.prompt != 5 || !est.read || !(&Handler{Estimate: e}).holdable(&exchange{inputs: inputs{r: r, est: est, costSet: true}}) {
 		t.Errorf("an invalid body priced on_invalid 5: %+v, %v; want 5 tokens, read whole, holdable", est, err)
+	}
+	// An Ollama blob upload within max_body is not read (see uploadsBlob).
+	blob := httptest.NewRequest(http.MethodPost, "/api/blobs/sha256:"+strings.Repeat("0", 64), nil)
+	blob.ProtoMajor, blob.ContentLength = 2, 1000
+	if (&Handler{Estimate: e}).readsBody(&exchange{inputs: inputs{r: blob}, req: &request{tokensCap: 1000}}) {
+		t.Error("readsBody: true for an Ollama blob upload, whose body the estimate does not read")
 	}
 }
