@@ -2,6 +2,7 @@ package tokenbucket
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -1558,5 +1559,124 @@ func TestFailuresThatMayHaveRunKeepTheEstimate(t *testing.T) {
 		case !tc.kept && v != "":
 			t.Errorf("%s: the bucket holds %x, want none stored (full): the estimate given back", tc.path, v)
 		}
+	}
+}
+
+// TestOllamaManagementEndToEnd: behind the gateway, Ollama's model
+// management runs no model and its answers report no usage: ollama
+// create's blob upload (a 3 MiB model file, over the default max_body,
+// sent with its length and chunked) reaches the upstream byte for byte
+// (which checks it against its digest, as Ollama does) and is answered
+// 201, not 400 invalid_body; it and the create, pull, show and delete
+// calls pay the requests limit alone: the tokens bucket is never written.
+// A generate is still charged its estimate and settled at the usage
+// Ollama reports.
+func TestOllamaManagementEndToEnd(t *testing.T) {
+	ollama := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		sum := sha256.Sum256(body)
+		w.Header().Set("X-Body-Sha256", hex.EncodeToString(sum[:]))
+		w.Header().Set("X-Body-Length", strconv.Itoa(len(body)))
+		ndjson := func(lines ...string) {
+			w.Header().Set("Content-Type", "application/x-ndjson")
+			for _, l := range lines {
+				_, _ = io.WriteString(w, l+"\n")
+			}
+		}
+		switch r.Method + " " + r.URL.Path {
+		case "POST /api/blobs/sha256:" + hex.EncodeToString(sum[:]):
+			w.WriteHeader(http.StatusCreated)
+		case "POST /api/create":
+			ndjson(`{"status":"using existing layer sha256:abc"}`, `{"status":"writing manifest"}`, `{"status":"success"}`)
+		case "POST /api/pull":
+			ndjson(`{"status":"pulling manifest"}`, `{"status":"pulling abc","digest":"sha256:abc","total":2019393189,"completed":2019393189}`, `{"status":"success"}`)
+		case "POST /api/show":
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = io.WriteString(w, `{"modelfile":"FROM llama3.2","details":{"format":"gguf","family":"llama","parameter_size":"3.2B"}}`)
+		case "DELETE /api/delete":
+			w.WriteHeader(http.StatusOK)
+		case "POST /api/generate":
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = io.WriteString(w, `{"model":"llama3.2","response":"Hi.","done":true,"prompt_eval_count":10,"eval_count":5}`)
+		default:
+			http.Error(w, `{"error":"digest mismatch"}`, http.StatusBadRequest)
+		}
+	}))
+	t.Cleanup(ollama.Close)
+	limiter := llmLimiter("user 100 1/1h\n\t\t\t\tuser 10000 1/1h tokens", "cost estimate\n\t\t\tsettle")
+	tr := &http.Transport{MaxConnsPerHost: 1, MaxIdleConnsPerHost: 1, DisableCompression: true}
+	t.Cleanup(tr.CloseIdleConnections)
+	lg := &llmGateway{e2eGateway: startGateway(t, llmSite(strings.TrimPrefix(ollama.URL, "http://"), limiter)),
+		client: &http.Client{Transport: tr, Timeout: time.Minute}}
+	send := func(method, path string, body io.Reader, headers ...string) e2eResponse {
+		t.Helper()
+		req, err := http.NewRequest(method, strings.TrimSuffix(lg.url, "/")+path, body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("X-User", "ollama")
+		for i := 0; i+1 < len(headers); i += 2 {
+			req.Header.Set(headers[i], headers[i+1])
+		}
+		r, err := readResponse(lg.client.Do(req))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r
+	}
+	keyer := bucket.NewKeyer("rl:", "")
+	requestsKey, tokensKey := keyer.Key("user", "ollama", ""), keyer.Key("user", "ollama", "tokens")
+
+	blob := ollamaModelFile(3 << 20)
+	blobPath := "/api/blobs/sha256:" + sha256Hex(string(blob))
+	for _, tc := range []struct {
+		name, method, path string
+		body               io.Reader
+		status             int
+		contentType        string
+	}{
+		{"blob", http.MethodPost, blobPath, bytes.NewReader(blob), http.StatusCreated, ""},
+		{"blob_chunked", http.MethodPost, blobPath, io.MultiReader(bytes.NewReader(blob)), http.StatusCreated, "application/octet-stream"},
+		{"create", http.MethodPost, "/api/create", strings.NewReader(`{"model":"mario","files":{"model.gguf":"` + blobPath[len("/api/blobs/"):] + `"},` +
+			`"system":"You are Mario from Super Mario Bros."}`), http.StatusOK, "application/json"},
+		{"pull", http.MethodPost, "/api/pull", strings.NewReader(`{"model":"llama3.2"}`), http.StatusOK, "application/json"},
+		{"show", http.MethodPost, "/api/show", strings.NewReader(`{"model":"llama3.2"}`), http.StatusOK, "application/json"},
+		{"delete", http.MethodDelete, "/api/delete", strings.NewReader(`{"model":"mario"}`), http.StatusOK, "application/json"},
+	} {
+		var headers []string
+		if tc.contentType != "" {
+			headers = []string{"Content-Type", tc.contentType}
+		}
+		r := send(tc.method, tc.path, tc.body, headers...)
+		if r.status != tc.status {
+			t.Fatalf("%s: status %d (%s), want %d", tc.name, r.status, r.body, tc.status)
+		}
+		wantHeaders(t, tc.name, r.header, "X-Estimated-Cost", "0")
+		if tc.name == "blob" || tc.name == "blob_chunked" {
+			wantHeaders(t, tc.name, r.header, "X-Body-Sha256", sha256Hex(string(blob)), "X-Body-Length", strconv.Itoa(len(blob)))
+		}
+		lg.sync()
+	}
+	if n := storedTokens(t, lg.rdb, requestsKey); n != 100-6 {
+		t.Errorf("requests bucket: %d, want %d: one each", n, 100-6)
+	}
+	if v := lg.value(tokensKey); v != "" {
+		t.Errorf("tokens bucket written (%x), want none: the management calls cost 0 tokens", v)
+	}
+
+	// A generate is estimated (1 + 100) and settled at its 10 + 5.
+	r := send(http.MethodPost, "/api/generate", strings.NewReader(`{"model":"llama3.2","prompt":"abcd","options":{"num_predict":100}}`),
+		"Content-Type", "application/json")
+	if r.status != http.StatusOK {
+		t.Fatalf("generate: status %d (%s)", r.status, r.body)
+	}
+	wantHeaders(t, "generate", r.header, "X-Estimated-Cost", "101")
+	lg.sync()
+	if n := storedTokens(t, lg.rdb, tokensKey); n != 10000-15 {
+		t.Errorf("tokens bucket after the generate: %d, want %d: settled at its usage", n, 10000-15)
 	}
 }
