@@ -462,8 +462,8 @@ func runOrModel(seg string) bool {
 // and /api/copy, and DELETE /api/delete (its client libraries' show,
 // pull, push, create, copy and delete; see Ollama's API,
 // https://github.com/ollama/ollama/blob/main/docs/api.md). The name must
-// be the one segment after the path's first "api" segment (see
-// ollamaCall), in any method, as for configures; the caller asks for a
+// be the one segment after the path's "api" segment (see ollamaCall),
+// in any method, as for configures; the caller asks for a
 // clean path. A create's system prompt or messages are stored with the
 // model, not run. /api/generate without a prompt loads a model, and is
 // estimated as any generate is. A trailing slash is ignored.
@@ -494,29 +494,30 @@ func ollamaBlob(path string) bool {
 	return true
 }
 
-// ollamaCall returns what follows the first "api" segment of path, less
-// a trailing slash: the call of Ollama's native API it names (show,
-// blobs/<digest>). It is "" when path has no "api" segment, or a run,
-// deployments or engines segment before it (see runOrModel: such a path
-// is never free). Segments before it are a prefix the route may keep
-// (/ollama/api/show: Open WebUI's and other proxies' mount of Ollama's
-// API), as the other rules allow one. The first "api" segment, not the
-// last, so that a path under another of Ollama's calls names none
-// (/api/chat/api/show, which a router by prefix sends to chat). The
-// segments are matched exactly, as Ollama's router (gin) matches them:
-// /api/Show or /api/show;v=1 is no call of Ollama's, and not free.
+// ollamaCall returns what follows the "api" segment of path, less a
+// trailing slash: the call of Ollama's native API it names (show,
+// blobs/<digest>). The path is /api/<call>, or /<prefix>/api/<call> with
+// a prefix of one segment that the route may keep (/ollama/api/show:
+// Open WebUI's and other proxies' mount of Ollama's API) and that is no
+// run, deployments or engines segment (see runOrModel); else it is "".
+// One segment, since a longer prefix may be a model call's path, which a
+// router by prefix sends to that call: /v1/chat/completions/api/show,
+// /api/chat/api/show. The segments are matched exactly, as Ollama's
+// router (gin) matches them: /api/Show or /api/show;v=1 is no call of
+// Ollama's, and not free.
 func ollamaCall(path string) string {
-	rest := strings.TrimRight(path, "/")
-	for {
-		seg, after, found := strings.Cut(rest, "/")
-		if !found || runOrModel(seg) {
-			return ""
-		}
-		if seg == "api" {
-			return after
-		}
-		rest = after
+	rest, ok := strings.CutPrefix(strings.TrimRight(path, "/"), "/")
+	if !ok {
+		return ""
 	}
+	if call, ok := strings.CutPrefix(rest, "api/"); ok {
+		return call
+	}
+	prefix, rest, _ := strings.Cut(rest, "/")
+	if call, ok := strings.CutPrefix(rest, "api/"); ok && prefix != "" && !runOrModel(prefix) {
+		return call
+	}
+	return ""
 }
 
 // uploadsBlob reports whether r uploads an Ollama blob: a POST to a clean

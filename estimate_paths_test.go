@@ -654,6 +654,7 @@ func TestEstimateOllamaBlobs(t *testing.T) {
 		{"upload_dotted_from_chat", http.MethodPost, "/api/chat/../blobs/" + digest, blob[:4096], false, "", false},
 		{"upload_doubled_slash", http.MethodPost, "/api//blobs/" + digest, blob[:4096], false, "", false},
 		{"upload_under_chat", http.MethodPost, "/api/chat/api/blobs/" + digest, blob[:4096], false, "", false},
+		{"upload_under_openai_chat", http.MethodPost, "/v1/chat/completions/api/blobs/" + digest, blob[:4096], false, "", false},
 		{"upload_short_digest", http.MethodPost, "/api/blobs/" + digest[:len(digest)-1], blob[:4096], false, "", false},
 		{"upload_not_hex", http.MethodPost, "/api/blobs/sha256:" + strings.Repeat("g", 64), blob[:4096], false, "", false},
 		{"upload_other_digest", http.MethodPost, "/api/blobs/sha512:" + sum, blob[:4096], false, "", false},
@@ -686,7 +687,8 @@ func TestEstimateOllamaBlobs(t *testing.T) {
 	}
 	// A chat body at a crafted blob path is read and estimated.
 	const chat = `{"model":"llama3.2","messages":[{"role":"user","content":"abcd"}]}`
-	for _, p := range []string{"/api/chat/../blobs/" + digest, "/api/blobs/" + digest + "/../../chat", "/api/chat/api/blobs/" + digest} {
+	for _, p := range []string{"/api/chat/../blobs/" + digest, "/api/blobs/" + digest + "/../../chat", "/api/chat/api/blobs/" + digest,
+		"/v1/chat/completions/api/blobs/" + digest} {
 		req := httptest.NewRequest(http.MethodPost, p, strings.NewReader(chat))
 		est, err := e.estimate(httptest.NewRecorder(), req, false)
 		if got := est.prompt + est.completion; err != nil || got != 1+1024 || est.noInference {

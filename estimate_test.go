@@ -584,6 +584,11 @@ func TestEstimateStoredObjects(t *testing.T) {
 		{"ollama_show_in_another_case", "/api/Show", `{"model":"llama3.2","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
 		{"ollama_show_with_params", "/api/show;v=1", `{"model":"llama3.2","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
 		{"ollama_show_under_deployment", "/openai/deployments/llama/api/show", `{"messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		// A prefix of one segment only: a longer one may be a model
+		// call's path, which a router by prefix sends to that call.
+		{"ollama_show_under_openai_chat", "/v1/chat/completions/api/show", `{"model":"llama3.2","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"ollama_show_under_two_segments", "/a/b/api/show", `{"model":"llama3.2","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
+		{"ollama_show_under_run", "/run/api/show", `{"model":"llama3.2","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
 		{"ollama_show_then_chat", "/api/show/chat", `{"model":"llama3.2","messages":[{"role":"user","content":` + text + `}]}`, 11 + 1024},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
