@@ -77,6 +77,8 @@ func TestEstimateTable(t *testing.T) {
 		{"json_number", nil, `42`, -1},
 		// LM Studio's and llama.cpp's "no limit": the default budget.
 		{"negative_budget_default", nil, `{"messages":[{"role":"user","content":"Hi!"}],"max_tokens":-1}`, 1 + 1024},
+		// llama.cpp reads max_completion_tokens first: no limit, not 5.
+		{"negative_budget_beside_a_number", nil, `{"messages":[{"role":"user","content":"Hi!"}],"max_tokens":5,"max_completion_tokens":-1}`, 1 + 1024},
 		{"negative_fractional_budget", nil, `{"max_tokens":-1.5}`, -1},
 		{"fractional_budget", nil, `{"max_tokens":1.5}`, -1},
 		{"budget_above_max_cost", nil, `{"max_tokens":9007199254740992}`, -1},

@@ -273,8 +273,12 @@
 // negative one (LM Studio's and llama.cpp's -1, no limit) and
 // max_output_tokens's string "inf" (the Realtime API's unlimited budget:
 // a session's, or a call's that realtime.calls.accept sends) set no
-// budget, as null does; anything else makes the body invalid. The APIs that keep their budget in an object of settings
-// are read there too: Ollama's options.num_predict, Hugging Face TGI's
+// budget, as null does, and since a server may read that member rather
+// than another (llama.cpp's reads max_completion_tokens before
+// max_tokens, Ollama's max_tokens alone), the caller's default is then
+// charged even beside a number, as with a null duplicate (the larger of
+// the two); anything else makes the body invalid. The APIs that keep
+// their budget in an object of settings are read there too: Ollama's options.num_predict, Hugging Face TGI's
 // parameters.max_new_tokens, Gemini's generationConfig.maxOutputTokens
 // (generation_config.max_output_tokens) and Bedrock Converse's
 // inferenceConfig.maxTokens, each a number, or a string holding one,
@@ -285,6 +289,6 @@
 // prompts (a legacy completions prompt may be an array of prompts), at
 // most MaxCost. Of a batch, Request.BatchBudget sums its requests'
 // budgets (each times its n and prompts, plus the caller's default for
-// each that sets none or has a null duplicate) and the top level's budget
+// each that sets none, has a null duplicate or sets no limit) and the top level's budget
 // if it sets one; Request.Budget is the top level's Budget plus that sum.
 package llm

@@ -73,8 +73,9 @@ func FuzzParseRequest(f *testing.F) {
 // goServerReads checks that a Go server decoding an accepted body with
 // encoding/json (names matched in any case, the last non-null value kept,
 // duplicate objects merged) reads the model and stream the estimate read,
-// include_usage true where the estimate read it true, and no budget, n or
-// number of prompts above what the estimate charges.
+// include_usage true where the estimate read it true, no budget, n or
+// number of prompts above what the estimate charges, and, where it reads
+// a negative budget (no limit), a charge of the default at least.
 func goServerReads(t *testing.T, body []byte, req Request) {
 	t.Helper()
 	var g struct {
@@ -109,6 +110,13 @@ func goServerReads(t *testing.T, body []byte, req Request) {
 	}
 	if g.MaxTokens == nil && g.MaxCompletionTokens == nil && g.MaxOutputTokens == nil && req.Budget(defaultMax) < defaultMax {
 		t.Fatalf("%q: a Go server reads no budget (its default); the estimate charges %d", body, req.Budget(defaultMax))
+	}
+	// A negative budget is no limit to the server that reads it (Ollama's
+	// num_predict -1), whichever of the others it reads first.
+	for _, b := range []*int64{g.MaxTokens, g.MaxCompletionTokens, g.MaxOutputTokens} {
+		if b != nil && *b < 0 && req.Budget(defaultMax) < defaultMax {
+			t.Fatalf("%q: a Go server reads a budget of %d (no limit); the estimate charges %d", body, *b, req.Budget(defaultMax))
+		}
 	}
 	if g.N != nil && *g.N > max(req.Choices, 1) {
 		t.Fatalf("%q: a Go server reads n %d; the estimate %d", body, *g.N, req.Choices)

@@ -113,7 +113,8 @@ type Request struct {
 	// (none set, or one with a null duplicate). Both at most MaxCost.
 	batchBudget, batchDefaults int64
 	// budgetSure: some budget member is a number in all its occurrences,
-	// so the provider's own default budget never applies.
+	// and none sets no limit, so the provider's own default budget never
+	// applies.
 	budgetSure bool
 	rw         rewriteSpots
 }
@@ -123,7 +124,9 @@ type Request struct {
 // Prompts (at most MaxCost). When every budget member
 // set to a number also has a null duplicate, the provider may read null
 // (the last duplicate wins) and apply its own default: Budget is then the
-// larger of MaxTokens and defaultMax.
+// larger of MaxTokens and defaultMax. So it is when some budget member
+// sets no limit (a negative integer, max_output_tokens "inf"), which a
+// server may read rather than the others.
 //
 // A body with batched requests (Requests > 0) adds their budgets (see
 // BatchBudget): a server that reads it as one request may run the top
@@ -324,6 +327,7 @@ func (p *parser) parse() (Request, error) {
 // model is.
 type requestState struct {
 	numeric, null         [budgets]bool
+	unlimited             bool // some budget member is a negative integer or "inf": no limit
 	seenModel, seenStream bool
 	model                 span // the model's string in the body; start -1 without
 	endpoint              span // the last top-level "endpoint" string; start -1 without
@@ -334,9 +338,13 @@ func (st *requestState) finish(req *Request) {
 	for b := range budgets {
 		req.budgetSure = req.budgetSure || st.numeric[b] && !st.null[b]
 	}
-	if st.null[budgetSettings] {
+	if st.null[budgetSettings] || st.unlimited {
 		// Ollama's num_predict -1 (no limit) or -2 (fill the context):
-		// Ollama reads no top-level budget, so none is sure.
+		// Ollama reads no top-level budget, so none is sure. A top-level
+		// member without limit (max_tokens -1, max_output_tokens "inf")
+		// may be the one a server reads of several: llama.cpp's server
+		// reads max_completion_tokens before max_tokens, Ollama max_tokens
+		// alone, so the other members are no surer.
 		req.budgetSure = false
 	}
 }
@@ -478,6 +486,7 @@ func (p *parser) requestMembers(req *Request, st *requestState, top bool) error 
 			}
 			if isNull {
 				st.null[b] = true
+				st.unlimited = st.unlimited || n < 0
 			} else {
 				st.numeric[b] = true
 				req.MaxTokens = max(req.MaxTokens, n)
@@ -742,7 +751,8 @@ func (p *parser) add(n int64) { p.prompt += n }
 // n_predict -1), where OpenAI and vLLM refuse it, so that charging
 // defaultMax holds either way. max_output_tokens may also be "inf" (the
 // Realtime API's unlimited budget, as in realtime.calls.accept), which
-// reads as null too.
+// reads as null too. Both are isNull with n -1 (a null is n 0): no limit,
+// which no other budget member overrides (see requestState.finish).
 func (p *parser) budget(name []byte) (n int64, isNull bool, err error) {
 	k := p.dec.PeekKind()
 	if k == '"' && string(name) == "max_output_tokens" {
@@ -753,7 +763,7 @@ func (p *parser) budget(name []byte) (n int64, isNull bool, err error) {
 		if string(raw) != `"inf"` {
 			return 0, false, invalid("%s %.20s is not a number or \"inf\"", name, raw)
 		}
-		return 0, true, nil
+		return -1, true, nil
 	}
 	if k != 'n' && k != '0' {
 		if err := p.skip(); err != nil {
@@ -772,7 +782,7 @@ func (p *parser) budget(name []byte) (n int64, isNull bool, err error) {
 		if string(name) == "n" || string(name) == "best_of" || !digits(raw[1:]) {
 			return 0, false, invalid("%s %.20s is not an integer from 0", name, raw)
 		}
-		return 0, true, nil
+		return -1, true, nil
 	}
 	if len(raw) > 16 { // MaxCost has 16 digits
 		return 0, false, invalid("%s %.20s is not an integer up to %d", name, raw, int64(MaxCost))

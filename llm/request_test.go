@@ -625,7 +625,14 @@ func TestBudget(t *testing.T) {
 		{`{"prompt":"abcd","max_tokens":-0}`, 1024, 1025, -1, 1024},
 		{`{"prompt":"abcd","max_completion_tokens":-99999999999999999999}`, 1024, 1025, -1, 1024},
 		{`{"prompt":"abcd","max_tokens":5,"max_tokens":-1}`, 1024, 1025, 5, 1024},
-		{`{"prompt":"abcd","max_tokens":-1,"max_completion_tokens":5}`, 5, 6, 5, 1024},
+		// A negative integer is no absence: a server may read it before
+		// the other members (llama.cpp reads max_completion_tokens before
+		// max_tokens, Ollama max_tokens alone), and run without limit. The
+		// larger of the numbers and the default, as with a null duplicate.
+		{`{"prompt":"abcd","max_tokens":-1,"max_completion_tokens":5}`, 1024, 1025, 5, 1024},
+		{`{"prompt":"abcd","max_tokens":5,"max_completion_tokens":-1}`, 1024, 1025, 5, 1024},
+		{`{"prompt":"abcd","max_tokens":5000,"max_completion_tokens":-1}`, 5000, 5001, 5000, 1024},
+		{`{"prompt":"abcd","max_tokens":5,"max_output_tokens":"inf"}`, 1024, 1025, 5, 1024},
 	} {
 		req, err := ParseRequest([]byte(tc.body), nil)
 		if err != nil {
@@ -997,6 +1004,7 @@ func TestParseBatch(t *testing.T) {
 	}{
 		{"anthropic", `{"requests":[` + a + `,` + b + `]}`, 4, 2, 150 + def, 150, "claude-x"},
 		{"one_with_no_limit", `{"requests":[` + a + `,{"custom_id":"c","params":{"model":"claude-x","max_tokens":-1,"messages":[{"role":"user","content":"abcd"}]}}]}`, 3, 2, 100 + def + def, 100 + def, "claude-x"},
+		{"one_with_no_limit_beside_a_budget", `{"requests":[` + a + `,{"custom_id":"c","params":{"model":"claude-x","max_tokens":5,"max_completion_tokens":-1,"messages":[{"role":"user","content":"abcd"}]}}]}`, 3, 2, 105 + def + def, 105 + def, "claude-x"},
 		{"one_without_budget", `{"requests":[` + a + `,{"custom_id":"c","params":{"model":"claude-x","messages":[{"role":"user","content":"abcd"}]}}]}`, 3, 2, 100 + def + def, 100 + def, "claude-x"},
 		// The provider may read the null: both are charged, the larger
 		// reading's bound.
