@@ -303,6 +303,9 @@ func TestEstimateBatches(t *testing.T) {
 		{"/v1beta/models/gemini-embedding-001:batchEmbedContents", `{"requests":[` +
 			`{"model":"models/gemini-embedding-001","content":{"parts":[{"text":"abcdefgh"}]}},` +
 			`{"model":"models/gemini-embedding-001","content":{"parts":[{"text":"abcd"}]}}]}`, 3, "gemini-embedding-001"},
+		{"/v1beta/models/gemini-embedding-001:batchEmbedContents", `{"requests":[` +
+			`{"model":"models/gemini-embedding-001","content":{"parts":[{"text":"abcd"}]},"taskType":"RETRIEVAL_DOCUMENT","title":"abcdefgh"},` +
+			`{"model":"models/gemini-embedding-001","content":{"parts":[{"text":"abcd"}]}}]}`, 4, "gemini-embedding-001"},
 		// An endpoint is a Mistral batch job's alone: at another batch
 		// path it takes no request's default budget off.
 		{"/v1beta/models/gemini-2.5-flash:batchGenerateContent", `{"endpoint":"/v1/embeddings",` + gemini[1:], 3 + 1024 + 30, "gemini-2.5-flash"},
@@ -345,6 +348,11 @@ func TestEstimateGeminiEmbedContent(t *testing.T) {
 		{"/v1/projects/p/locations/us-central1/publishers/google/models/gemini-embedding-001:embedContent", body, 3},
 		{"/v1beta/models/gemini-embedding-001:embedContent", `{"content":{"parts":[{"text":"abcd"}]}}`, 1},
 		{"/v1beta/models/gemini-embedding-001:embedContent", `{"content":"abcdefgh"}`, 2},
+		// A document's title (taskType RETRIEVAL_DOCUMENT) is embedded
+		// with its content: 8 bytes more, 2 tokens.
+		{"/v1beta/models/gemini-embedding-001:embedContent", `{"content":{"parts":[{"text":"abcd"}]},` +
+			`"taskType":"RETRIEVAL_DOCUMENT","title":"abcdefgh"}`, 3},
+		{"/v1beta/models/gemini-embedding-001:embedContent", `{"Title":"abcdefgh","content":"abcd"}`, -1},
 		// A path with dot segments keeps its budget (see completes).
 		{"/v1beta/models/x/../gemini-embedding-001:embedContent", body, 3 + 1024},
 		// Go's encoding/json reads Content as content.

@@ -70,6 +70,9 @@
 //	                           content value
 //	content                    Gemini's embedContent content, read as
 //	                           systemInstruction is
+//	title                      a content value: Gemini's embedContent
+//	                           title (taskType RETRIEVAL_DOCUMENT), which
+//	                           is embedded with the content
 //	query                      a content value: a rerank's query (Cohere's,
 //	                           vLLM's)
 //	documents                  an array's strings are texts and its other
@@ -97,19 +100,22 @@
 //	                           whose objects' "params" (or "request", or
 //	                           "body") objects are each read as a
 //	                           request body, their texts counting here and
-//	                           their budgets in Request.BatchBudget;
-//	                           another item is one text when a string,
-//	                           else its raw JSON text (null: nothing); a
-//	                           requests that is neither an array nor null
-//	                           counts as its raw JSON text
+//	                           their budgets in Request.BatchBudget; an
+//	                           item's content and title (Gemini's
+//	                           batchEmbedContents, whose items are the
+//	                           requests) as at the top level; another
+//	                           item is one text when a string, else its
+//	                           raw JSON text (null: nothing); a requests
+//	                           that is neither an array nor null counts
+//	                           as its raw JSON text
 //	events, initial_events     a content value: the events sent to an
 //	                           agent session (Anthropic's and OpenAI's
 //	                           managed agents), each read as a part
 //	batch                      Gemini's inline batch: its
 //	                           input_config.requests.requests (or
 //	                           inputConfig), read as requests is (a
-//	                           batched request's "content", in an
-//	                           embedding batch, as at the top level)
+//	                           batched request's "content" and "title", in
+//	                           an embedding batch, as at the top level)
 //
 // A content value is one text when it is a string, its items when it is
 // an array, nothing when it is null, and its raw JSON text otherwise. An

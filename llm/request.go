@@ -443,6 +443,11 @@ func (p *parser) requestMembers(req *Request, st *requestState, top bool) error 
 			} else {
 				err = p.content()
 			}
+		case "title":
+			// An EmbedContentRequest's title (taskType
+			// RETRIEVAL_DOCUMENT), which the model embeds with its
+			// content: a content value.
+			err = p.content()
 		case "systemInstruction", "system_instruction":
 			// Gemini's system instruction, one Content ({"parts":[...]}),
 			// read as a message is.
@@ -546,7 +551,8 @@ type batchState struct {
 // texts of every batched request count in p.prompt, and each adds to
 // p.batch the completion budget it would be charged alone (see
 // Request.BatchBudget). An item's content (Gemini's batchEmbedContents,
-// whose items are the requests) counts as a message's. An item that is
+// whose items are the requests) counts as a message's, and its title as
+// a content value. An item that is
 // not an object counts as one text when a string, else as its JSON text
 // (null: nothing), and so does a "requests" that is not an array; a
 // params, request or body that is not an object counts nothing.
@@ -577,6 +583,9 @@ func (p *parser) batchRequests() error {
 				if p.dec.PeekKind() == '{' {
 					return p.part(true)
 				}
+				return p.content()
+			case "title":
+				// Such an item's title, embedded with its content.
 				return p.content()
 			}
 			if m := foldsTo(name, batchItemNames); m != nil {
@@ -653,16 +662,16 @@ var topLevelNames = namesOf("model", "stream", "stream_options", "max_tokens",
 	"max_completion_tokens", "max_output_tokens", "n", "best_of", "messages",
 	"system", "prompt", "input", "inputs", "instructions", "suffix", "tools",
 	"functions", "response_format", "text", "output_config", "output_format",
-	"options", "context", "images", "requests", "events", "initial_events", "batch", "endpoint", "content")
+	"options", "context", "images", "requests", "events", "initial_events", "batch", "endpoint", "content", "title")
 
 // batchItemNames are the members of a batch's item that hold its request
 // (Anthropic's params, Gemini's request, Mistral's body) or its text
-// (the content of Gemini's batchEmbedContents), and
+// (the content and title of Gemini's batchEmbedContents), and
 // inputConfigNames those of Gemini's batch that lead to its requests: in
 // another case, Go's encoding/json reads them as these, so a body with
 // one is invalid, as with topLevelNames.
 var (
-	batchItemNames   = namesOf("params", "request", "body", "content")
+	batchItemNames   = namesOf("params", "request", "body", "content", "title")
 	inputConfigNames = namesOf("input_config", "inputConfig")
 )
 

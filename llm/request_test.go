@@ -1155,4 +1155,13 @@ func TestParseBatchEmbedContents(t *testing.T) {
 	if _, err := ParseRequest([]byte(`{"requests":[{"Content":"abcd"}]}`), nil); !errors.Is(err, ErrInvalidBody) {
 		t.Errorf("an item's Content: %v, want ErrInvalidBody", err)
 	}
+	// A document's title is embedded with its content.
+	body = `{"requests":[{"model":"models/gemini-embedding-001","content":{"parts":[{"text":"abcd"}]},` +
+		`"taskType":"RETRIEVAL_DOCUMENT","title":"abcdefgh"}]}`
+	if req, err := ParseRequest([]byte(body), nil); err != nil || req.PromptTokens != 3 {
+		t.Errorf("an item with a title: prompt %d, %v; want 3", req.PromptTokens, err)
+	}
+	if _, err := ParseRequest([]byte(`{"requests":[{"content":"abcd","TITLE":"abcd"}]}`), nil); !errors.Is(err, ErrInvalidBody) {
+		t.Errorf("an item's TITLE: %v, want ErrInvalidBody", err)
+	}
 }
