@@ -34,7 +34,9 @@ const (
 // for a body that is not one JSON object (invalid JSON, another value,
 // trailing data), that nests deeper than MaxDepth, whose messages is not
 // an array of objects, whose budget (max_tokens, max_completion_tokens,
-// max_output_tokens) is neither null nor an integer from 0 to MaxCost, or
+// max_output_tokens) is neither null nor an integer up to MaxCost (a
+// negative one sets no limit) nor max_output_tokens's "inf", whose n or
+// best_of is neither null nor an integer from 0 to MaxCost, or
 // that parsers read differently (see the package documentation).
 var ErrInvalidBody = errors.New("llm: invalid request body")
 
@@ -51,8 +53,9 @@ type Request struct {
 	// a settings object (Ollama's options, TGI's parameters, Gemini's
 	// generationConfig, Bedrock's inferenceConfig: see settings), from 0
 	// to MaxCost;
-	// -1 when none is set to a number (absent or null). Charge Budget,
-	// which accounts for a null duplicate too.
+	// -1 when none is set to a number from 0 (absent, null, negative or
+	// "inf"). Charge Budget, which accounts for a null duplicate and a
+	// member without limit too.
 	MaxTokens int64
 	// Model is the "model" member when it is a string, else "", with each
 	// byte that is not valid UTF-8 read as U+FFFD. A batch (see Requests)
