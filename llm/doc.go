@@ -274,27 +274,29 @@
 //
 // max_completion_tokens (OpenAI chat), max_tokens (OpenAI legacy and
 // Anthropic) and max_output_tokens (Responses API) are one budget:
-// Request.MaxTokens is the largest of them. Each must be null (absent)
-// or an integer up to MaxCost written without fraction or exponent; a
+// Request.MaxTokens is the largest of them. Each must be null (absent) or
+// an integer up to MaxCost written without fraction or exponent; a
 // negative one (LM Studio's and llama.cpp's -1, no limit) and
-// max_output_tokens's string "inf" (the Realtime API's unlimited budget:
-// a session's, or a call's that realtime.calls.accept sends) set no
-// budget, as null does, and since a server may read that member rather
-// than another (llama.cpp's reads max_completion_tokens before
-// max_tokens, Ollama's max_tokens alone), the caller's default is then
-// charged even beside a number, as with a null duplicate (the larger of
-// the two); anything else makes the body invalid. The APIs that keep
-// their budget in an object of settings are read there too: Ollama's options.num_predict, Hugging Face TGI's
-// parameters.max_new_tokens, Gemini's generationConfig.maxOutputTokens
-// (generation_config.max_output_tokens) and Bedrock Converse's
-// inferenceConfig.maxTokens, each a number, or a string holding one,
-// rounded up (a negative one, Ollama's -1 and -2, sets no budget; anything
-// else is not read); TGI's parameters.best_of and Gemini's candidateCount
-// are read as n is. Request.Budget multiplies it by
-// the completions asked for each prompt (n, best_of) and by the number of
-// prompts (a legacy completions prompt may be an array of prompts), at
-// most MaxCost. Of a batch, Request.BatchBudget sums its requests'
-// budgets (each times its n and prompts, plus the caller's default for
-// each that sets none, has a null duplicate or sets no limit) and the top level's budget
-// if it sets one; Request.Budget is the top level's Budget plus that sum.
+// max_output_tokens's string "inf" (the Realtime API's unlimited budget: a
+// session's, or a call's that realtime.calls.accept sends) set no budget,
+// as null does, and since a server may read that member rather than
+// another (llama.cpp's reads max_completion_tokens before max_tokens,
+// Ollama's max_tokens alone), the caller's default is then charged even
+// beside a number, as with a null duplicate (the larger of the two);
+// anything else makes the body invalid. The APIs that keep their budget in
+// an object of settings are read there too: Ollama's options.num_predict,
+// Hugging Face TGI's parameters.max_new_tokens, Gemini's
+// generationConfig.maxOutputTokens (generation_config.max_output_tokens)
+// and Bedrock Converse's inferenceConfig.maxTokens, and so is llama.cpp's
+// top-level n_predict (which its server reads before the other members),
+// each a number, or a string holding one, rounded up (a negative one,
+// Ollama's -1 and -2, sets no budget; anything else is not read); TGI's
+// parameters.best_of and Gemini's candidateCount are read as n is.
+// Request.Budget multiplies it by the completions asked for each prompt
+// (n, best_of) and by the number of prompts (a legacy completions prompt
+// may be an array of prompts), at most MaxCost. Of a batch,
+// Request.BatchBudget sums its requests' budgets (each times its n and
+// prompts, plus the caller's default for each that sets none, has a null
+// duplicate or sets no limit) and the top level's budget if it sets one;
+// Request.Budget is the top level's Budget plus that sum.
 package llm

@@ -51,8 +51,9 @@ type Request struct {
 	// largest number among every max_completion_tokens, max_tokens and
 	// max_output_tokens member (duplicates included) and every budget of
 	// a settings object (Ollama's options, TGI's parameters, Gemini's
-	// generationConfig, Bedrock's inferenceConfig: see settings), from 0
-	// to MaxCost;
+	// generationConfig, Bedrock's inferenceConfig: see settings) and of
+	// llama.cpp's top-level n_predict (read as those are), from 0 to
+	// MaxCost;
 	// -1 when none is set to a number from 0 (absent, null, negative or
 	// "inf"). Charge Budget, which accounts for a null duplicate and a
 	// member without limit too.
@@ -475,6 +476,19 @@ func (p *parser) requestMembers(req *Request, st *requestState, top bool) error 
 			err = p.images()
 		case "options", "parameters", "generationConfig", "generation_config", "inferenceConfig":
 			err = p.settings(req, &st.numeric[budgetSettings], &st.null[budgetSettings])
+		case "n_predict":
+			// llama.cpp's server's own budget, which it reads before
+			// max_completion_tokens and max_tokens (on /completion and on
+			// its OpenAI-compatible routes alike), as loosely as a
+			// settings object's: -1 (no limit) sets none, and no other
+			// budget is sure.
+			n, ok, isNull, e := p.looseCount()
+			if ok {
+				st.numeric[budgetSettings] = true
+				req.MaxTokens = max(req.MaxTokens, n)
+			}
+			st.null[budgetSettings] = st.null[budgetSettings] || isNull
+			err = e
 		case "text", "output_config":
 			// The Responses API's text.format, Anthropic's
 			// output_config.format (output_format in its beta): a

@@ -675,6 +675,13 @@ func TestSettingsBudget(t *testing.T) {
 		// Beside a top-level budget, the larger.
 		{`{"max_tokens":10,"generationConfig":{"maxOutputTokens":50}}`, 50, 50},
 		{`{"options":{"num_predict":1e300}}`, MaxCost, MaxCost},
+		// llama.cpp's server reads a top-level n_predict before
+		// max_completion_tokens and max_tokens, on its own /completion
+		// and on its OpenAI-compatible routes: -1 is no limit.
+		{`{"prompt":"abcd","n_predict":4000}`, 4000, 4000},
+		{`{"prompt":"abcd","max_tokens":5,"n_predict":100}`, 100, 100},
+		{`{"messages":[],"max_tokens":5,"n_predict":-1}`, 1024, 5},
+		{`{"prompt":"abcd","n_predict":128.5}`, 129, 129},
 		// What no server reads as a count is not read: the default.
 		{`{"options":{"num_predict":"lots"},"parameters":[1],"generationConfig":null}`, 1024, -1},
 	} {
