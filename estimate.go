@@ -366,11 +366,27 @@ func runsWithoutBody(path string) bool {
 // nor classifications (Mistral's /classifications, /chat/classifications),
 // whose answers carry no completion, nor Gemini's embeddings
 // (:embedContent, and the batches :asyncBatchEmbedContent and
-// :batchEmbedContents), which embed their content. A trailing slash is
-// ignored.
+// :batchEmbedContents), which embed their content, nor Google's models
+// called with :predict on Vertex AI (see googlePredict). A trailing slash
+// is ignored.
 func completes(path string) bool {
 	return !endsIn(path, "/embeddings", "/embed", "/moderations", "/classifications",
-		":embedContent", ":asyncBatchEmbedContent", ":batchEmbedContents")
+		":embedContent", ":asyncBatchEmbedContent", ":batchEmbedContents") && !googlePredict(path)
+}
+
+// googlePredict reports whether path calls one of Google's models on
+// Vertex AI with :predict (.../publishers/google/models/<model>:predict,
+// https://cloud.google.com/vertex-ai/generative-ai/docs/model-reference/text-embeddings-api):
+// its text embeddings (text-embedding-005, text-multilingual-embedding-002,
+// gemini-embedding-001), multimodal embeddings and Imagen, none of which
+// answers with text. Another :predict path may serve a text model (one
+// deployed on a Vertex AI endpoint, /endpoints/<id>:predict; KServe's
+// /v1/models/<model>:predict) and keeps its budget. A trailing slash is
+// ignored.
+func googlePredict(path string) bool {
+	path = strings.TrimRight(path, "/")
+	i := strings.LastIndexByte(path, '/')
+	return i >= 0 && strings.HasSuffix(path, ":predict") && strings.HasSuffix(path[:i], "/publishers/google/models")
 }
 
 // storesObjects reports whether a request to path creates or changes a

@@ -371,6 +371,48 @@ func TestEstimateGeminiEmbedContent(t *testing.T) {
 	}
 }
 
+// TestEstimateVertexPredict: Google's embedding models on Vertex AI are
+// called with :predict, their texts in instances ({"content","title"}),
+// and answer with no usage the settlement reads; they were charged
+// default_max_tokens for good, whatever they embedded. Now their texts,
+// and no completion at a clean path of Google's publisher models. Another
+// :predict path may serve a text model, and keeps its budget.
+func TestEstimateVertexPredict(t *testing.T) {
+	e := provisioned(t, &Estimate{})
+	const vertex = "/v1/projects/p/locations/us-central1/publishers/google/models/"
+	// 8 bytes: 2 tokens; 4 bytes: 1.
+	const embed = `{"instances":[{"task_type":"RETRIEVAL_DOCUMENT","title":"abcd","content":"abcdefgh"},` +
+		`{"content":"abcd"}],"parameters":{"autoTruncate":true,"outputDimensionality":256}}`
+	for _, tc := range []struct {
+		path, body string
+		want       int64 // -1: invalid body
+		model      string
+	}{
+		{vertex + "text-embedding-005:predict", embed, 1 + 2 + 1, "text-embedding-005"},
+		{vertex + "gemini-embedding-001:predict", embed, 1 + 2 + 1, "gemini-embedding-001"},
+		// A multimodal embedding's text.
+		{vertex + "multimodalembedding@001:predict", `{"instances":[{"text":"abcdefgh"}]}`, 2, "multimodalembedding@001"},
+		// Not at a path with dot segments, nor elsewhere: a model
+		// deployed on an endpoint, KServe's protocol.
+		{vertex + "x/../text-embedding-005:predict", embed, 1 + 2 + 1 + 1024, "text-embedding-005"},
+		{"/v1/projects/p/locations/us-central1/endpoints/123:predict", `{"instances":["abcdefgh"]}`, 2 + 1024, ""},
+		{"/v1/models/t5:predict", `{"instances":["abcdefgh"]}`, 2 + 1024, "t5"},
+		// Go's encoding/json reads Instances as instances.
+		{vertex + "text-embedding-005:predict", `{"Instances":[{"content":"abcd"}]}`, -1, ""},
+	} {
+		req := httptest.NewRequest(http.MethodPost, tc.path, strings.NewReader(tc.body))
+		est, err := e.estimate(httptest.NewRecorder(), req, false)
+		got := est.prompt + est.completion
+		switch {
+		case tc.want < 0 && err != errInvalidBody:
+			t.Errorf("%s %s: estimate %d, %v; want errInvalidBody", tc.path, tc.body, got, err)
+		case tc.want >= 0 && (err != nil || got != tc.want || est.noInference || est.model != tc.model):
+			t.Errorf("%s %s: estimate %d, not settled %v, model %q, %v; want %d, settled, %q",
+				tc.path, tc.body, got, est.noInference, est.model, err, tc.want, tc.model)
+		}
+	}
+}
+
 // TestEstimateBatchesNotCapped: a batch's estimate is its charge (its
 // answer reports no usage), so the cap that keeps a large max_tokens from
 // denying a request (tokenEstimate.cost) does not apply to it: a batch

@@ -73,6 +73,9 @@
 //	title                      a content value: Gemini's embedContent
 //	                           title (taskType RETRIEVAL_DOCUMENT), which
 //	                           is embedded with the content
+//	instances                  a content value: Vertex AI's :predict
+//	                           instances (a text embedding's content and
+//	                           title)
 //	query                      a content value: a rerank's query (Cohere's,
 //	                           vLLM's)
 //	documents                  an array's strings are texts and its other

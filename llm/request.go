@@ -438,6 +438,12 @@ func (p *parser) requestMembers(req *Request, st *requestState, top bool) error 
 			// OpenAI's beta.agents.sessions.events.create): a user
 			// message, a tool result, an outcome to reach.
 			err = p.content()
+		case "instances":
+			// Vertex AI's :predict (Google's text and multimodal
+			// embeddings, Imagen; a model deployed on an endpoint): its
+			// instances, a content value, each object read as a part
+			// ({"content","title"} of a text embedding).
+			err = p.content()
 		case "content":
 			// Gemini's EmbedContentRequest (:embedContent, and each of
 			// :asyncBatchEmbedContent's requests): one Content, read as
@@ -679,7 +685,7 @@ var topLevelNames = namesOf("model", "stream", "stream_options", "max_tokens",
 	"max_completion_tokens", "max_output_tokens", "n", "best_of", "messages",
 	"system", "prompt", "input", "inputs", "instructions", "suffix", "tools",
 	"functions", "response_format", "text", "output_config", "output_format",
-	"options", "context", "images", "requests", "events", "initial_events", "batch", "endpoint", "content", "title")
+	"options", "context", "images", "requests", "events", "initial_events", "batch", "endpoint", "content", "title", "instances")
 
 // batchItemNames are the members of a batch's item that hold its request
 // (Anthropic's params, Gemini's request, Mistral's body) or its text

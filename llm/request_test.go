@@ -151,6 +151,9 @@ func TestParseRequestApprox(t *testing.T) {
 		// Agent session events, no media part each: a user message's
 		// text, an outcome's description and rubric (its JSON text, 32
 		// bytes: 8), a confirmation's result and message, a tool result.
+		// Vertex AI's :predict instances: a text embedding's content and
+		// title, a string; an object of no known member is a media part.
+		{"vertex_predict_instances", `{"instances":[{"task_type":"RETRIEVAL_DOCUMENT","title":"abcd","content":"abcdefgh"},"abcd",{"image":{}}]}`, 1 + 2 + 1 + 85, -1},
 		{"anthropic_session_events", `{"events":[{"type":"user.message","content":[{"type":"text","text":"abcdefgh"}]},` +
 			`{"type":"user.define_outcome","description":"abcd","rubric":{"type":"text","content":"abcd"}},` +
 			`{"type":"user.tool_confirmation","result":"deny","tool_use_id":"t","deny_message":"abcd"},` +
