@@ -379,7 +379,8 @@ func completes(path string) bool {
 // https://cloud.google.com/vertex-ai/generative-ai/docs/model-reference/text-embeddings-api):
 // its text embeddings (text-embedding-005, text-multilingual-embedding-002,
 // gemini-embedding-001), multimodal embeddings and Imagen, none of which
-// answers with text. Another :predict path may serve a text model (one
+// answers with text (PaLM's text-bison and chat-bison, which did, are
+// retired; Gemini is called with :generateContent). Another :predict path may serve a text model (one
 // deployed on a Vertex AI endpoint, /endpoints/<id>:predict; KServe's
 // /v1/models/<model>:predict) and keeps its budget. A trailing slash is
 // ignored.
