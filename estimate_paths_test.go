@@ -331,73 +331,49 @@ func TestEstimateBatches(t *testing.T) {
 	}
 }
 
-// TestEstimateGeminiEmbedContent: Gemini's single embedding call
-// (:embedContent, models.embedContent) is charged the tokens of its
-// content and no completion. Its answer reports no usage, and it was
-// charged default_max_tokens for good: its top-level content was not read.
-func TestEstimateGeminiEmbedContent(t *testing.T) {
-	e := provisioned(t, &Estimate{})
-	// 8 bytes: 2 tokens; 4 bytes: 1.
-	const body = `{"model":"models/gemini-embedding-001","content":{"parts":[{"text":"abcdefgh"},{"text":"abcd"}]},` +
-		`"taskType":"RETRIEVAL_DOCUMENT","outputDimensionality":768}`
-	for _, tc := range []struct {
-		path, body string
-		want       int64 // -1: invalid body
-	}{
-		{"/v1beta/models/gemini-embedding-001:embedContent", body, 3},
-		{"/v1/projects/p/locations/us-central1/publishers/google/models/gemini-embedding-001:embedContent", body, 3},
-		{"/v1beta/models/gemini-embedding-001:embedContent", `{"content":{"parts":[{"text":"abcd"}]}}`, 1},
-		{"/v1beta/models/gemini-embedding-001:embedContent", `{"content":"abcdefgh"}`, 2},
-		// A document's title (taskType RETRIEVAL_DOCUMENT) is embedded
-		// with its content: 8 bytes more, 2 tokens.
-		{"/v1beta/models/gemini-embedding-001:embedContent", `{"content":{"parts":[{"text":"abcd"}]},` +
-			`"taskType":"RETRIEVAL_DOCUMENT","title":"abcdefgh"}`, 3},
-		{"/v1beta/models/gemini-embedding-001:embedContent", `{"Title":"abcdefgh","content":"abcd"}`, -1},
-		// A path with dot segments keeps its budget (see completes).
-		{"/v1beta/models/x/../gemini-embedding-001:embedContent", body, 3 + 1024},
-		// Go's encoding/json reads Content as content.
-		{"/v1beta/models/gemini-embedding-001:embedContent", `{"Content":{"parts":[{"text":"abcd"}]}}`, -1},
-	} {
-		req := httptest.NewRequest(http.MethodPost, tc.path, strings.NewReader(tc.body))
-		est, err := e.estimate(httptest.NewRecorder(), req, false)
-		got := est.prompt + est.completion
-		switch {
-		case tc.want < 0 && err != errInvalidBody:
-			t.Errorf("%s %s: estimate %d, %v; want errInvalidBody", tc.path, tc.body, got, err)
-		case tc.want >= 0 && (err != nil || got != tc.want || est.noInference || est.model != "gemini-embedding-001"):
-			t.Errorf("%s %s: estimate %d, not settled %v, model %q, %v; want %d, settled, gemini-embedding-001",
-				tc.path, tc.body, got, est.noInference, est.model, err, tc.want)
-		}
-	}
-}
-
-// TestEstimateVertexPredict: Google's embedding models on Vertex AI are
-// called with :predict, their texts in instances ({"content","title"}),
-// and answer with no usage the settlement reads; they were charged
-// default_max_tokens for good, whatever they embedded. Now their texts,
-// and no completion at a clean path of Google's publisher models. Another
-// :predict path may serve a text model, and keeps its budget.
-func TestEstimateVertexPredict(t *testing.T) {
+// TestEstimateGoogleEmbeddings: Google's embedding calls are charged the
+// tokens of their texts and no completion: Gemini's :embedContent (its
+// content, and a document's title), and Vertex AI's :predict of Google's
+// models (the content and title of its instances). Their answers report no
+// usage the settlement reads, and they were charged default_max_tokens
+// for good, whatever they embedded: neither their content nor their
+// instances were read. Another :predict path may serve a text model
+// (one deployed on an endpoint, KServe's protocol), and keeps its budget.
+func TestEstimateGoogleEmbeddings(t *testing.T) {
 	e := provisioned(t, &Estimate{})
 	const vertex = "/v1/projects/p/locations/us-central1/publishers/google/models/"
 	// 8 bytes: 2 tokens; 4 bytes: 1.
-	const embed = `{"instances":[{"task_type":"RETRIEVAL_DOCUMENT","title":"abcd","content":"abcdefgh"},` +
+	const gemini = `{"model":"models/gemini-embedding-001","content":{"parts":[{"text":"abcdefgh"},{"text":"abcd"}]},` +
+		`"taskType":"RETRIEVAL_DOCUMENT","outputDimensionality":768}`
+	const predict = `{"instances":[{"task_type":"RETRIEVAL_DOCUMENT","title":"abcd","content":"abcdefgh"},` +
 		`{"content":"abcd"}],"parameters":{"autoTruncate":true,"outputDimensionality":256}}`
 	for _, tc := range []struct {
 		path, body string
 		want       int64 // -1: invalid body
 		model      string
 	}{
-		{vertex + "text-embedding-005:predict", embed, 1 + 2 + 1, "text-embedding-005"},
-		{vertex + "gemini-embedding-001:predict", embed, 1 + 2 + 1, "gemini-embedding-001"},
+		{"/v1beta/models/gemini-embedding-001:embedContent", gemini, 3, "gemini-embedding-001"},
+		{vertex + "gemini-embedding-001:embedContent", gemini, 3, "gemini-embedding-001"},
+		{"/v1beta/models/gemini-embedding-001:embedContent", `{"content":{"parts":[{"text":"abcd"}]}}`, 1, "gemini-embedding-001"},
+		{"/v1beta/models/gemini-embedding-001:embedContent", `{"content":"abcdefgh"}`, 2, "gemini-embedding-001"},
+		// A document's title (taskType RETRIEVAL_DOCUMENT) is embedded
+		// with its content: 8 bytes more, 2 tokens.
+		{"/v1beta/models/gemini-embedding-001:embedContent", `{"content":{"parts":[{"text":"abcd"}]},` +
+			`"taskType":"RETRIEVAL_DOCUMENT","title":"abcdefgh"}`, 3, "gemini-embedding-001"},
+		{vertex + "text-embedding-005:predict", predict, 1 + 2 + 1, "text-embedding-005"},
+		{vertex + "gemini-embedding-001:predict", predict, 1 + 2 + 1, "gemini-embedding-001"},
 		// A multimodal embedding's text.
 		{vertex + "multimodalembedding@001:predict", `{"instances":[{"text":"abcdefgh"}]}`, 2, "multimodalembedding@001"},
-		// Not at a path with dot segments, nor elsewhere: a model
-		// deployed on an endpoint, KServe's protocol.
-		{vertex + "x/../text-embedding-005:predict", embed, 1 + 2 + 1 + 1024, "text-embedding-005"},
+		// A path with dot segments keeps its budget (see completes).
+		{"/v1beta/models/x/../gemini-embedding-001:embedContent", gemini, 3 + 1024, "gemini-embedding-001"},
+		{vertex + "x/../text-embedding-005:predict", predict, 1 + 2 + 1 + 1024, "text-embedding-005"},
+		// Another :predict: a model deployed on an endpoint, KServe's.
 		{"/v1/projects/p/locations/us-central1/endpoints/123:predict", `{"instances":["abcdefgh"]}`, 2 + 1024, ""},
 		{"/v1/models/t5:predict", `{"instances":["abcdefgh"]}`, 2 + 1024, "t5"},
-		// Go's encoding/json reads Instances as instances.
+		// Go's encoding/json reads Content, Title and Instances as
+		// content, title and instances.
+		{"/v1beta/models/gemini-embedding-001:embedContent", `{"Content":{"parts":[{"text":"abcd"}]}}`, -1, ""},
+		{"/v1beta/models/gemini-embedding-001:embedContent", `{"Title":"abcdefgh","content":"abcd"}`, -1, ""},
 		{vertex + "text-embedding-005:predict", `{"Instances":[{"content":"abcd"}]}`, -1, ""},
 	} {
 		req := httptest.NewRequest(http.MethodPost, tc.path, strings.NewReader(tc.body))
