@@ -380,10 +380,10 @@ func completes(path string) bool {
 // its text embeddings (text-embedding-005, text-multilingual-embedding-002,
 // gemini-embedding-001), multimodal embeddings and Imagen, none of which
 // answers with text (PaLM's text-bison and chat-bison, which did, are
-// retired; Gemini is called with :generateContent). Another :predict path may serve a text model (one
-// deployed on a Vertex AI endpoint, /endpoints/<id>:predict; KServe's
-// /v1/models/<model>:predict) and keeps its budget. A trailing slash is
-// ignored.
+// retired; Gemini is called with :generateContent). Another :predict
+// path may serve a text model (one deployed on a Vertex AI endpoint,
+// /endpoints/<id>:predict; KServe's /v1/models/<model>:predict) and keeps
+// its budget. A trailing slash is ignored.
 func googlePredict(path string) bool {
 	path = strings.TrimRight(path, "/")
 	i := strings.LastIndexByte(path, '/')

@@ -488,13 +488,7 @@ func (p *parser) requestMembers(req *Request, st *requestState, top bool) error 
 			// its OpenAI-compatible routes alike), as loosely as a
 			// settings object's: -1 (no limit) sets none, and no other
 			// budget is sure.
-			n, ok, isNull, e := p.looseCount()
-			if ok {
-				st.numeric[budgetSettings] = true
-				req.MaxTokens = max(req.MaxTokens, n)
-			}
-			st.null[budgetSettings] = st.null[budgetSettings] || isNull
-			err = e
+			err = p.looseBudget(req, &st.numeric[budgetSettings], &st.null[budgetSettings])
 		case "text", "output_config":
 			// The Responses API's text.format, Anthropic's
 			// output_config.format (output_format in its beta): a
@@ -1359,13 +1353,7 @@ func (p *parser) settings(req *Request, numeric, null *bool) error {
 	return p.members(func(name []byte) (err error) {
 		switch string(name) {
 		case "num_predict", "max_new_tokens", "maxOutputTokens", "max_output_tokens", "maxTokens":
-			n, ok, isNull, err := p.looseCount()
-			if ok {
-				*numeric = true
-				req.MaxTokens = max(req.MaxTokens, n)
-			}
-			*null = *null || isNull
-			return err
+			return p.looseBudget(req, numeric, null)
 		case "candidateCount", "candidate_count", "best_of":
 			n, ok, _, err := p.looseCount()
 			if ok {
@@ -1375,6 +1363,19 @@ func (p *parser) settings(req *Request, numeric, null *bool) error {
 		}
 		return p.skip()
 	})
+}
+
+// looseBudget reads a budget of a settings object (or llama.cpp's
+// top-level n_predict), a count (see looseCount), into req.MaxTokens, and
+// records in numeric and null whether it set one or none.
+func (p *parser) looseBudget(req *Request, numeric, null *bool) error {
+	n, ok, isNull, err := p.looseCount()
+	if ok {
+		*numeric = true
+		req.MaxTokens = max(req.MaxTokens, n)
+	}
+	*null = *null || isNull
+	return err
 }
 
 // looseCount reads a count of a settings object (see settings): a number,
