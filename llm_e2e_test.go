@@ -1599,9 +1599,19 @@ func TestOllamaManagementEndToEnd(t *testing.T) {
 			_, _ = io.WriteString(w, `{"modelfile":"FROM llama3.2","details":{"format":"gguf","family":"llama","parameter_size":"3.2B"}}`)
 		case "DELETE /api/delete":
 			w.WriteHeader(http.StatusOK)
-		case "POST /api/generate":
-			w.Header().Set("Content-Type", "application/json")
-			_, _ = io.WriteString(w, `{"model":"llama3.2","response":"Hi.","done":true,"prompt_eval_count":10,"eval_count":5}`)
+		case "POST /api/generate", "POST /api/chat":
+			// Without a prompt (or messages) Ollama loads the model and
+			// answers so, running nothing.
+			w.Header().Set("Content-Type", "application/json; charset=utf-8")
+			if !bytes.Contains(body, []byte(`"prompt"`)) && !bytes.Contains(body, []byte(`"content"`)) {
+				reason := "load"
+				if bytes.Contains(body, []byte(`"keep_alive":0`)) {
+					reason = "unload"
+				}
+				_, _ = io.WriteString(w, `{"model":"llama3.2","created_at":"2026-12-03T05:00:00Z","response":"","done":true,"done_reason":"`+reason+`"}`)
+				return
+			}
+			_, _ = io.WriteString(w, `{"model":"llama3.2","response":"Hi.","done":true,"done_reason":"stop","prompt_eval_count":10,"eval_count":5}`)
 		default:
 			http.Error(w, `{"error":"digest mismatch"}`, http.StatusBadRequest)
 		}
@@ -1678,5 +1688,25 @@ func TestOllamaManagementEndToEnd(t *testing.T) {
 	lg.sync()
 	if n := storedTokens(t, lg.rdb, tokensKey); n != 10000-15 {
 		t.Errorf("tokens bucket after the generate: %d, want %d: settled at its usage", n, 10000-15)
+	}
+
+	// ollama run loads the model first (a chat without messages), as a
+	// generate without a prompt does, and keep_alive 0 unloads it: each
+	// is charged default_max_tokens and given it back, since Ollama
+	// answers that it loaded or unloaded the model. They kept it for good.
+	for _, body := range []string{`{"model":"llama3.2"}`, `{"model":"llama3.2","messages":[]}`, `{"model":"llama3.2","keep_alive":0}`} {
+		path := "/api/generate"
+		if strings.Contains(body, "messages") {
+			path = "/api/chat"
+		}
+		r := send(http.MethodPost, path, strings.NewReader(body), "Content-Type", "application/json")
+		if r.status != http.StatusOK || !strings.Contains(r.body, `load"`) {
+			t.Fatalf("%s %s: status %d (%s), want 200 and a load or unload", path, body, r.status, r.body)
+		}
+		wantHeaders(t, path, r.header, "X-Estimated-Cost", "1024")
+		lg.sync()
+		if n := storedTokens(t, lg.rdb, tokensKey); n != 10000-15 {
+			t.Errorf("%s %s: tokens bucket %d, want %d: a load is given its estimate back", path, body, n, 10000-15)
+		}
 	}
 }

@@ -90,6 +90,7 @@ type usageRecorder struct {
 	code        int                   // the final status, from the first WriteHeader
 	errorObject bool                  // the body is the provider's error object (see finish)
 	streamError bool                  // the body is a stream that opened with an error event
+	loadOnly    bool                  // the body is Ollama's answer to a load or unload (see finish)
 	usage       *llm.UsageReader      // from the first WriteHeader
 	filter      *llm.UsageChunkFilter // nil: the client gets every byte
 }
@@ -204,6 +205,7 @@ func (rec *usageRecorder) finish(s *Settle) (used int64, status llm.Status, part
 	}
 	u, status := rec.usage.Result()
 	rec.errorObject, rec.streamError = rec.usage.ErrorObject(), rec.usage.OpenedWithError()
+	rec.loadOnly = rec.code < 300 && rec.usage.LoadOnly()
 	rec.usage.Release()
 	rec.usage = nil
 	return u.Total(), status, u.Partial
@@ -245,10 +247,14 @@ func (h *Handler) serveNext(x *exchange, v *verdict, next caddyhttp.Handler) err
 // Redis, or in the local store for a request that on_redis_error local
 // decided (in the buckets it was charged in, at their local_share). A
 // request that reached no model (see notRun) and reports no usage is
-// settled at 0 tokens: its estimate is given back.
+// settled at 0 tokens: its estimate is given back. So is a call that
+// Ollama answered by loading or unloading the model (llm.UsageReader.LoadOnly:
+// /api/generate without a prompt, /api/chat without messages, which
+// ollama run and other clients send to load the model first), whatever
+// keep_failed says, since it is no error.
 func (h *Handler) settle(r *http.Request, repl *caddy.Replacer, v *verdict, rec *usageRecorder) {
 	used, status, partial := rec.finish(h.Settle)
-	if status != llm.Found && !h.Settle.KeepFailed && rec.notRun() {
+	if status != llm.Found && (rec.loadOnly || !h.Settle.KeepFailed && rec.notRun()) {
 		used, status, partial = 0, llm.Found, false
 	}
 	if status != llm.Found {

@@ -342,6 +342,18 @@ func (r *UsageReader) ErrorObject() bool {
 	return !r.unknown && !b.sse && b.scan.errorTop
 }
 
+// LoadOnly reports whether the body is Ollama's answer to a call that ran
+// no model: a JSON object whose top-level "done_reason" is "load" or
+// "unload", as /api/generate without a prompt and /api/chat without
+// messages answer when they load the model (or, with keep_alive 0,
+// unload it), with no prompt_eval_count or eval_count
+// (https://github.com/ollama/ollama/blob/main/docs/api.md, "Load a model",
+// "Unload a model"). Call it after Result.
+func (r *UsageReader) LoadOnly() bool {
+	b := &r.body
+	return !r.unknown && !b.sse && !b.lines && b.scan.loadTop
+}
+
 // OpenedWithError reports whether the body is an event stream whose first
 // event with data is an error object (a JSON object whose top-level
 // "error" member is an object; not null, as OpenRouter's chunks carry it

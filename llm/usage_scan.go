@@ -11,7 +11,8 @@ import (
 // object's "usage" member (and, for event data, of "message"."usage" and
 // "response"."usage"), of its "usageMetadata" member (Gemini's) and of its
 // "prompt_eval_count" and "eval_count" members (Ollama's) and pass it
-// whole to usageBody.report. It does not
+// whole to usageBody.report; and to read the string values of its
+// "object" and "done_reason" members (see errorTop, loadTop). It does not
 // validate the JSON: a usage value it hands over is validated when
 // parsed. It is linear in the input, allocates nothing, and keeps no
 // input but the usage value it reads (usageBody.capture): strings are
@@ -45,9 +46,17 @@ type jsonScan struct {
 
 	errorTop  bool // the top-level object has an "error" member, or "object":"error"
 	errorNext bool // the next value is the top-level "error" member's
-	objNext   bool // the next value is the top-level "object" member's
-	inObjVal  bool // reading the string value of the top-level "object" member
+	objNext   bool // the next value is the top-level "object" or "done_reason" member's
+	inObjVal  bool // reading the string value of that member
+	valOf     int  // which member that is: memberObject or memberDoneReason
 	errorObj  bool // the top-level "error" member's value is an object
+
+	// loadTop: the top-level "done_reason" is "load" or "unload", the
+	// answer of Ollama's /api/generate without a prompt and /api/chat
+	// without messages, which load (or, with keep_alive 0, unload) the
+	// model and run nothing (https://github.com/ollama/ollama/blob/main/docs/api.md,
+	// "Load a model", "Unload a model").
+	loadTop bool
 }
 
 // maxName is the longest raw member name kept: "response" with every
@@ -67,6 +76,7 @@ const (
 	memberPromptEval    // Ollama's prompt_eval_count, top-level only
 	memberEval          // Ollama's eval_count, top-level only
 	memberObject        // "object": an error's when its value is "error"
+	memberDoneReason    // Ollama's "done_reason": see loadTop
 )
 
 func (s *jsonScan) reset(paths bool) {
@@ -176,7 +186,8 @@ func (s *jsonScan) feed(b *usageBody, p []byte) {
 				s.capturing, s.capDepth, s.capMember, capStart = true, s.depth, s.member, i+1
 			}
 			s.errorNext = s.member == memberError && s.depth == 1
-			s.objNext = s.member == memberObject && s.depth == 1
+			s.objNext = s.depth == 1 && (s.member == memberObject || s.member == memberDoneReason)
+			s.valOf = s.member
 		default:
 			if s.depth == 0 {
 				s.done = true // not an object
@@ -194,18 +205,26 @@ func (s *jsonScan) feed(b *usageBody, p []byte) {
 func (s *jsonScan) closeString() {
 	s.inStr = false
 	if s.inObjVal {
-		// "object":"error": the error shape of Mistral's API and of
-		// vLLM's (before its OpenAI-shaped one), which have no "error"
-		// member.
 		s.inObjVal = false
+		var v []byte // the value, unquoted; nil when longer than maxName
+		var buf [maxName]byte
 		if raw := s.name[:min(s.nameN, len(s.name))]; s.nameN <= len(s.name) && bytes.IndexByte(raw, '\\') < 0 {
 			// Unescaped, as senders write it (every OpenAI chunk's
 			// "object":"chat.completion.chunk"): compared as it is.
-			s.errorTop = s.errorTop || string(raw) == `"error"`
+			v = raw[1 : len(raw)-1]
 		} else if s.nameN <= len(s.name) {
-			var buf [maxName]byte
-			v, err := jsontext.AppendUnquote(buf[:0], raw)
-			s.errorTop = s.errorTop || err == nil && string(v) == "error"
+			if u, err := jsontext.AppendUnquote(buf[:0], raw); err == nil {
+				v = u
+			}
+		}
+		switch s.valOf {
+		case memberObject:
+			// "object":"error": the error shape of Mistral's API and of
+			// vLLM's (before its OpenAI-shaped one), which have no
+			// "error" member.
+			s.errorTop = s.errorTop || string(v) == "error"
+		case memberDoneReason:
+			s.loadTop = string(v) == "load" || string(v) == "unload" // the last one, as a JSON parser reads it
 		}
 		return
 	}
@@ -280,6 +299,8 @@ func (s *jsonScan) nameIs() int {
 		return memberError
 	case "object":
 		return memberObject
+	case "done_reason":
+		return memberDoneReason
 	case "usageMetadata":
 		return memberUsageMetadata
 	case "prompt_eval_count":

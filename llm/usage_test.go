@@ -641,6 +641,37 @@ func wantReadAs(t *testing.T, name, contentType, body string, splits []int, want
 	r.Release()
 }
 
+// TestLoadOnly: Ollama's answer to /api/generate without a prompt or
+// /api/chat without messages, which loads (or unloads) the model and runs
+// nothing, is told apart from an answer of a model that ran, however it
+// is written or encoded and split at any byte.
+func TestLoadOnly(t *testing.T) {
+	const generateLoad = `{"model":"llama3.2","created_at":"2026-12-03T05:00:00.000000000Z","response":"","done":true,"done_reason":"load"}`
+	const chatLoad = `{"model":"llama3.2","created_at":"2026-12-03T05:00:00.000000000Z","message":{"role":"assistant","content":""},"done_reason":"load","done":true}`
+	for _, tc := range []struct {
+		name, contentType, body string
+		want                    bool
+	}{
+		{"generate_load", "application/json; charset=utf-8", generateLoad, true},
+		{"chat_load", "application/json; charset=utf-8", chatLoad, true},
+		{"unload", "application/json", `{"model":"llama3.2","response":"","done":true,"done_reason":"unload"}`, true},
+		{"escaped", "application/json", `{"d\u006fne_reason":"lo\u0061d"}`, true},
+		{"ran", "application/json", ollamaChatJSON, false},
+		{"stop", "application/json", `{"done":true,"done_reason":"stop","prompt_eval_count":3,"eval_count":4}`, false},
+		// The last of two, as JSON parsers read them.
+		{"load_then_stop", "application/json", `{"done_reason":"load","done_reason":"stop"}`, false},
+		{"stop_then_load", "application/json", `{"done_reason":"stop","done_reason":"load"}`, true},
+		{"nested", "application/json", `{"message":{"done_reason":"load"}}`, false},
+		{"in_a_string", "application/json", `{"response":"\"done_reason\":\"load\""}`, false},
+		{"not_a_string", "application/json", `{"done_reason":["load"]}`, false},
+		{"loading", "application/json", `{"done_reason":"loading"}`, false},
+		{"ndjson", "application/x-ndjson", generateLoad + "\n", false},
+		{"event_stream", sse, "data: " + generateLoad + "\n\n", false},
+	} {
+		wantReadAs(t, tc.name, tc.contentType, tc.body, []int{0, 1, 5, 90}, tc.want, (*UsageReader).LoadOnly)
+	}
+}
+
 // TestOpenedWithError: an event stream whose first event with data is an
 // error object, as Anthropic sends an overload after its 200, opened with
 // an error; one whose error comes after another event, or whose first
