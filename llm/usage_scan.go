@@ -207,12 +207,12 @@ func (s *jsonScan) closeString() {
 	if s.inObjVal {
 		s.inObjVal = false
 		var v []byte // the value, unquoted; nil when longer than maxName
-		var buf [maxName]byte
 		if raw := s.name[:min(s.nameN, len(s.name))]; s.nameN <= len(s.name) && bytes.IndexByte(raw, '\\') < 0 {
 			// Unescaped, as senders write it (every OpenAI chunk's
 			// "object":"chat.completion.chunk"): compared as it is.
 			v = raw[1 : len(raw)-1]
 		} else if s.nameN <= len(s.name) {
+			var buf [maxName]byte
 			if u, err := jsontext.AppendUnquote(buf[:0], raw); err == nil {
 				v = u
 			}
