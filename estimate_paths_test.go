@@ -364,12 +364,34 @@ func TestEstimateGoogleEmbeddings(t *testing.T) {
 		{vertex + "gemini-embedding-001:predict", predict, 1 + 2 + 1, "gemini-embedding-001"},
 		// A multimodal embedding's text.
 		{vertex + "multimodalembedding@001:predict", `{"instances":[{"text":"abcdefgh"}]}`, 2, "multimodalembedding@001"},
-		// A path with dot segments keeps its budget (see completes).
+		// A path with dot segments keeps its budget (see completes), one
+		// for each instance.
 		{"/v1beta/models/x/../gemini-embedding-001:embedContent", gemini, 3 + 1024, "gemini-embedding-001"},
-		{vertex + "x/../text-embedding-005:predict", predict, 1 + 2 + 1 + 1024, "text-embedding-005"},
+		{vertex + "x/../text-embedding-005:predict", predict, 1 + 2 + 1 + 2*1024, "text-embedding-005"}, // two instances
 		// Another :predict: a model deployed on an endpoint, KServe's.
 		{"/v1/projects/p/locations/us-central1/endpoints/123:predict", `{"instances":["abcdefgh"]}`, 2 + 1024, ""},
 		{"/v1/models/t5:predict", `{"instances":["abcdefgh"]}`, 2 + 1024, "t5"},
+		// A text model deployed on an endpoint (Model Garden's vLLM,
+		// TGI and Hex-LLM containers) takes its prompt, chat messages
+		// and budget in each instance, and answers without usage: they
+		// count, and each instance is one prediction, charged the
+		// budget (the top level's parameters too) as a prompt is.
+		{"/v1/projects/p/locations/us-central1/endpoints/123:predict",
+			`{"instances":[{"prompt":"abcdefgh","max_tokens":8000,"temperature":1}]}`, 2 + 8000, ""},
+		{"/v1/projects/p/locations/us-central1/endpoints/123:predict",
+			`{"instances":[{"@requestFormat":"chatCompletions","messages":[{"role":"user","content":"abcdefgh"}],"max_tokens":8000}]}`, 2 + 8000, ""},
+		{"/v1/projects/p/locations/us-central1/endpoints/123:predict",
+			`{"instances":[{"inputs":"abcdefgh","parameters":{"max_new_tokens":8000}}]}`, 2 + 8000, ""},
+		{"/v1/projects/p/locations/us-central1/endpoints/123:predict",
+			`{"instances":[{"prompt":"abcd"},{"prompt":"abcd"},{"prompt":"abcd"}],"parameters":{"maxOutputTokens":100}}`, 3 + 3*100, ""},
+		{"/v1/projects/p/locations/us-central1/endpoints/123:predict", `{"instances":["abcd","abcd"]}`, 2 + 2*1024, ""},
+		// An instance's budget only raises the charge: a chat
+		// completion that carries one still pays its default budget.
+		{"/v1/chat/completions", `{"messages":[{"role":"user","content":"abcdefgh"}],"instances":[{"max_tokens":5}]}`, 2 + 85 + 1024, ""},
+		{"/v1/chat/completions", `{"messages":[{"role":"user","content":"abcdefgh"}],"instances":[{"parameters":{"max_new_tokens":0}}]}`, 2 + 85 + 1024, ""},
+		// Google's own embeddings stay without a completion, however
+		// many instances.
+		{vertex + "text-embedding-005:predict", `{"instances":[{"content":"abcd"},{"content":"abcd"},{"content":"abcd"}]}`, 3, "text-embedding-005"},
 		// Go's encoding/json reads Content, Title and Instances as
 		// content, title and instances.
 		{"/v1beta/models/gemini-embedding-001:embedContent", `{"Content":{"parts":[{"text":"abcd"}]}}`, -1, ""},

@@ -73,9 +73,17 @@
 //	title                      a content value: Gemini's embedContent
 //	                           title (taskType RETRIEVAL_DOCUMENT), which
 //	                           is embedded with the content
-//	instances                  a content value: Vertex AI's :predict
-//	                           instances (a text embedding's content and
-//	                           title)
+//	instances                  Vertex AI's :predict instances, each one
+//	                           prediction (Request.Prompts counts them):
+//	                           a string is a text; an object's content,
+//	                           title, text, prompt, input and inputs are
+//	                           content values, its messages a messages
+//	                           array, and its budget members and
+//	                           parameters are read as a settings
+//	                           object's (a text model deployed on an
+//	                           endpoint takes them there); an object
+//	                           with none of those texts is one media
+//	                           part
 //	query                      a content value: a rerank's query (Cohere's,
 //	                           vLLM's)
 //	documents                  an array's strings are texts and its other
@@ -297,7 +305,8 @@
 // parameters.best_of and Gemini's candidateCount are read as n is.
 // Request.Budget multiplies it by the completions asked for each prompt
 // (n, best_of) and by the number of prompts (a legacy completions prompt
-// may be an array of prompts), at most MaxCost. Of a batch,
+// may be an array of prompts; each of :predict's instances is one), at
+// most MaxCost. Of a batch,
 // Request.BatchBudget sums its requests' budgets (each times its n and
 // prompts, plus the caller's default for each that sets none, has a null
 // duplicate or sets no limit) and the top level's budget if it sets one;

@@ -85,7 +85,9 @@ type Request struct {
 	// strings and arrays in a "prompt" array (legacy completions: an
 	// array of prompts, ["a","b"], or of token id arrays, [[1,2],[3]]),
 	// 1 when prompt is a string, one array of token ids, anything else,
-	// or absent; of duplicate prompt members, the largest. Legacy
+	// or absent; of duplicate prompt members, the largest; and as many
+	// as the items of an "instances" array (Vertex AI's :predict, whose
+	// instances are each one prediction), if more. Legacy
 	// completions generates Choices completions for each prompt, so
 	// Budget multiplies by it too: "prompt":["a","b","c"], "n":2 and
 	// "max_tokens":100 may use 600 completion tokens.
@@ -441,9 +443,11 @@ func (p *parser) requestMembers(req *Request, st *requestState, top bool) error 
 		case "instances":
 			// Vertex AI's :predict (Google's text and multimodal
 			// embeddings, Imagen; a model deployed on an endpoint): its
-			// instances, a content value, each object read as a part
-			// ({"content","title"} of a text embedding).
-			err = p.content()
+			// instances, each one prediction (see instances).
+			var n int64
+			if n, err = p.instances(req, st); err == nil {
+				req.Prompts = max(req.Prompts, n)
+			}
 		case "content":
 			// Gemini's EmbedContentRequest (:embedContent, and each of
 			// :asyncBatchEmbedContent's requests): one Content, read as
@@ -1003,6 +1007,83 @@ func (p *parser) items() (n int64, err error) {
 			return n, err
 		}
 	}
+}
+
+// instances reads the "instances" of Vertex AI's :predict (and of the
+// prediction protocols it follows: KServe's v1, TensorFlow Serving's) and
+// returns how many predictions they ask for (see Request.Prompts): each
+// item of an array is one, which the model runs with the top level's
+// parameters, as legacy completions runs each prompt of an array; an
+// array of none, or a value that is no array, counts as one. A string
+// item is a text, an array item holds items (token ids count one each),
+// an object item is read by instance; anything else counts as JSON text.
+func (p *parser) instances(req *Request, st *requestState) (int64, error) {
+	if p.dec.PeekKind() != '[' {
+		return 1, p.content()
+	}
+	var n int64
+	err := p.elements(func() error {
+		switch p.dec.PeekKind() {
+		case 'n':
+			return p.skip()
+		case '"':
+			n++
+			return p.str()
+		case '0':
+			n++
+			p.add(1)
+			return p.skip()
+		case '[':
+			n++
+			_, err := p.items()
+			return err
+		case '{':
+			n++
+			return p.instance(req, st)
+		}
+		n++
+		return p.jsonText()
+	})
+	return max(n, 1), err
+}
+
+// instance reads one object of instances. Google's models take a text
+// embedding's content and title, a multimodal embedding's text, Imagen's
+// prompt; a text model deployed on an endpoint (Model Garden's vLLM,
+// Hugging Face TGI and Hex-LLM containers,
+// https://cloud.google.com/vertex-ai/generative-ai/docs/open-models/vllm/use-vllm)
+// takes its prompt, inputs or chat messages and its budget there, and
+// answers with no usage: every such text counts, and the instance's budget
+// (max_tokens, max_new_tokens, max_output_tokens, max_completion_tokens,
+// maxOutputTokens, or a budget of its parameters) is read as a settings
+// object's is (see settings): a number or a string that holds one,
+// rounded up; a negative one sets no limit. An instance without any of
+// those texts (an image or video to embed or edit) counts MediaPartTokens.
+// Its budget only raises the charge: it makes no budget sure (see
+// Request.Budget), since a server that reads no instances (a chat
+// completion's, where a body may carry them) runs with its own.
+func (p *parser) instance(req *Request, st *requestState) error {
+	known := false
+	var numeric bool // not recorded: see above
+	err := p.members(func(name []byte) error {
+		switch string(name) {
+		case "content", "title", "text", "prompt", "inputs", "input":
+			known = true
+			return p.content()
+		case "messages":
+			known = true
+			return p.messages()
+		case "max_tokens", "max_new_tokens", "max_output_tokens", "max_completion_tokens", "maxOutputTokens":
+			return p.looseBudget(req, &numeric, &st.null[budgetSettings])
+		case "parameters":
+			return p.settings(req, &numeric, &st.null[budgetSettings])
+		}
+		return p.skip()
+	})
+	if err == nil && !known {
+		p.add(MediaPartTokens)
+	}
+	return err
 }
 
 // messages counts the array of messages the decoder is at.
