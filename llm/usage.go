@@ -44,8 +44,9 @@ const MaxUsageObject = 4 << 10
 //     Anthropic's input_tokens excludes them, so they count as input.
 //   - TotalTokens: total_tokens (OpenAI), as reported; 0 when not reported.
 //
-// Gemini's usageMetadata (generateContent and each event of
-// streamGenerateContent?alt=sse, Google AI and Vertex AI,
+// Gemini's usageMetadata (generateContent, each event of
+// streamGenerateContent?alt=sse and each element of the JSON array it
+// answers without alt=sse, Google AI and Vertex AI,
 // https://ai.google.dev/api/generate-content#UsageMetadata) gives
 // InputTokens (promptTokenCount, the cached part included),
 // OutputTokens (candidatesTokenCount), OtherTokens (thoughtsTokenCount +
@@ -209,7 +210,8 @@ var readerPool = sync.Pool{New: func() any { return new(UsageReader) }}
 //
 // contentType text/event-stream (any case, any parameters) selects the
 // event-stream reading, application/x-ndjson and application/ndjson the
-// newline-delimited reading; anything else is read as JSON.
+// newline-delimited reading; anything else is read as JSON (a JSON array
+// as Gemini's chunks, see usageBody.feedArray).
 //
 // contentEncoding lists the content codings applied to the body, in the
 // order they were applied (RFC 9110, section 8.4), comma separated, any
@@ -390,6 +392,7 @@ func IsEventStream(contentType string) bool {
 type usageBody struct {
 	sse   bool
 	lines bool     // newline-delimited JSON: each line a JSON text of its own
+	array int8     // a JSON body: 0 until its first byte; 1 an array being read, 2 one read to its end or to an element that is no object (see feedArray); -1 no array
 	ev    sseLines // event-stream framing
 	scan  jsonScan // the JSON body, or the data of the current event
 
@@ -412,6 +415,7 @@ func (b *usageBody) reset(sse bool) {
 	b.capture = b.capture[:0]
 	b.capOver = false
 	b.events, b.firstError = 0, false
+	b.array = 0
 	b.tally = tally{}
 }
 
@@ -429,10 +433,61 @@ func (b *usageBody) Write(p []byte) (int, error) {
 		b.ev.feed(b, p)
 	case b.lines:
 		b.feedLines(p)
+	case b.array >= 0:
+		b.feedArray(p)
 	default:
 		b.scan.feed(b, p)
 	}
 	return len(p), nil
+}
+
+// feedArray reads the next bytes of a JSON body that may be an array:
+// Gemini's streamGenerateContent without alt=sse answers its chunks as
+// the elements of one JSON array, sent as they come
+// (https://ai.google.dev/api/generate-content#method:-models.streamgeneratecontent).
+// Each element is scanned as a JSON body of its own, as an event of a
+// stream is, so that the last one's usageMetadata counts the answer (see
+// report); no other usage in an array is read, since an array of
+// answers (a batch's) each with its usage is no one answer's. Reading
+// stops at the array's end and at an element that is not an object,
+// which Gemini does not send. A body whose first byte (after white space)
+// is not '[' is scanned as one JSON text.
+func (b *usageBody) feedArray(p []byte) {
+	switch b.array {
+	case 2:
+		return
+	case 0:
+		p = bytes.TrimLeft(p, " \t\r\n")
+		switch {
+		case len(p) == 0:
+			return
+		case p[0] != '[':
+			b.array = -1
+			b.scan.feed(b, p)
+			return
+		}
+		b.array = 1
+		b.scan.reset(false)
+		p = p[1:]
+	}
+	for len(p) > 0 {
+		if !b.scan.started {
+			// Between elements: white space, their commas, the end.
+			p = bytes.TrimLeft(p, " \t\r\n,")
+			if len(p) == 0 {
+				return
+			}
+			if p[0] != '{' {
+				b.array = 2 // the end, or an element that is no object
+				return
+			}
+		}
+		n := b.scan.feed(b, p)
+		p = p[n:]
+		if b.scan.done {
+			b.endEvent(b.scan.started, b.scan.errorTop, false)
+		}
+	}
 }
 
 // feedLines reads the next bytes of a newline-delimited JSON body
@@ -528,7 +583,10 @@ func (b *usageBody) report(where int) {
 	raw, over := b.capture, b.capOver
 	b.capture, b.capOver = b.capture[:0], false
 	t := &b.tally
-	whole := !b.sse && !b.lines // one JSON body: no report may come twice
+	if b.array > 0 && where != usageGemini {
+		return // an array's elements are Gemini's chunks (see feedArray): another usage is not the answer's
+	}
+	whole := !b.sse && !b.lines && b.array <= 0 // one JSON body: no report may come twice
 	if whole && (where == usageTop || where == usageGemini) {
 		t.reports++
 		if t.reports > 1 {
@@ -577,7 +635,7 @@ func (b *usageBody) report(where int) {
 	// A floor: Anthropic's message_start, or a Gemini stream's event
 	// before its last (only its last reports candidatesTokenCount; the
 	// ones before report the prompt, and a total without the answer).
-	t.partial = where == usageMessage || where == usageGemini && b.sse && f.set&(1<<fieldOutput) == 0
+	t.partial = where == usageMessage || where == usageGemini && (b.sse || b.array > 0) && f.set&(1<<fieldOutput) == 0
 }
 
 // The counts of a usage object.

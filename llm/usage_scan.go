@@ -88,8 +88,9 @@ func (s *jsonScan) tracked() bool {
 	return s.depth == 1 || (s.depth == 2 && s.parent != memberOther)
 }
 
-// feed scans the next bytes of the JSON text.
-func (s *jsonScan) feed(b *usageBody, p []byte) {
+// feed scans the next bytes of the JSON text and returns how many it
+// read: all of p, or those up to the end of the top-level value.
+func (s *jsonScan) feed(b *usageBody, p []byte) int {
 	capStart := 0 // where the usage value being read starts in p
 	i := 0
 	for i < len(p) && !s.done {
@@ -199,6 +200,7 @@ func (s *jsonScan) feed(b *usageBody, p []byte) {
 	if s.capturing {
 		b.captureAppend(p[capStart:i])
 	}
+	return i
 }
 
 // closeString ends the string being read.

@@ -239,6 +239,11 @@ const (
 		"data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\" of tokens.\"}],\"role\":\"model\"},\"finishReason\":\"STOP\",\"index\":0}]," +
 		"\"usageMetadata\":{\"promptTokenCount\":8,\"candidatesTokenCount\":30,\"totalTokenCount\":138,\"thoughtsTokenCount\":100}," +
 		"\"modelVersion\":\"gemini-2.5-flash\"}\r\n\r\n"
+	geminiArray = "[{\"candidates\":[{\"content\":{\"parts\":[{\"text\":\"A bucket\"}],\"role\":\"model\"},\"index\":0}]," +
+		"\"usageMetadata\":{\"promptTokenCount\":8,\"totalTokenCount\":8},\"modelVersion\":\"gemini-2.5-flash\"}\r\n,\r\n" +
+		"{\"candidates\":[{\"content\":{\"parts\":[{\"text\":\" of tokens.\"}],\"role\":\"model\"},\"finishReason\":\"STOP\",\"index\":0}]," +
+		"\"usageMetadata\":{\"promptTokenCount\":8,\"candidatesTokenCount\":30,\"totalTokenCount\":138,\"thoughtsTokenCount\":100}," +
+		"\"modelVersion\":\"gemini-2.5-flash\"}\r\n]"
 	ollamaChatJSON = `{"model":"llama3.2","created_at":"2023-12-12T14:13:43.416799Z","message":{"role":"assistant",` +
 		`"content":"Hello! How are you today?"},"done":true,"total_duration":5191566416,"load_duration":2154458,` +
 		`"prompt_eval_count":26,"prompt_eval_duration":383809000,"eval_count":298,"eval_duration":4799921000}`
@@ -307,6 +312,25 @@ func TestUsageOtherUpstreams(t *testing.T) {
 			Usage{InputTokens: 30, OutputTokens: 12, CacheReadInputTokens: 400, CacheCreationInputTokens: 100, TotalTokens: 542}, Found, 542},
 		// An NDJSON line that is not an object ends at its newline.
 		{"ndjson_broken_line", ndjson, "\"abc\n{\"eval_count\":7}\n", Usage{OutputTokens: 7}, Found, 7},
+		// Gemini's streamGenerateContent without alt=sse: its chunks as
+		// the elements of one JSON array; the last one counts the answer,
+		// and one cut before it leaves the prompt's count, a floor.
+		{"gemini_array", "application/json; charset=UTF-8", geminiArray,
+			Usage{InputTokens: 8, OutputTokens: 30, OtherTokens: 100, TotalTokens: 138}, Found, 138},
+		{"gemini_array_cut", "application/json", geminiArray[:strings.LastIndex(geminiArray, "{\"candidates\"")],
+			Usage{InputTokens: 8, TotalTokens: 8, Partial: true}, Found, 8},
+		{"gemini_array_one_chunk", "application/json", "[" + geminiJSON + "]",
+			Usage{InputTokens: 8, OutputTokens: 12, OtherTokens: 400, TotalTokens: 420}, Found, 420},
+		// What follows the array, or an element that is no object, ends
+		// the reading.
+		{"gemini_array_then_more", "application/json", "[" + geminiJSON + "]" + `{"usageMetadata":{"totalTokenCount":1}}`,
+			Usage{InputTokens: 8, OutputTokens: 12, OtherTokens: 400, TotalTokens: 420}, Found, 420},
+		{"gemini_array_string_element", "application/json", `["{\"usageMetadata\":{\"totalTokenCount\":1}}",` + geminiJSON + "]",
+			Usage{}, NotReported, 0},
+		// Only Gemini's usage is read in an array: an array of answers
+		// (a batch's) each with its usage is no one answer's.
+		{"array_of_usages", "application/json", `[{"usage":{"total_tokens":5}},{"usage":{"total_tokens":7}}]`, Usage{}, NotReported, 0},
+		{"array_of_ollama_counts", "application/json", `[{"prompt_eval_count":5,"eval_count":7}]`, Usage{}, NotReported, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) { checkSplits(t, tc) })
 	}
