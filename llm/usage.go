@@ -350,10 +350,12 @@ func (r *UsageReader) ErrorObject() bool {
 // messages answer when they load the model (or, with keep_alive 0,
 // unload it), with no prompt_eval_count or eval_count
 // (https://github.com/ollama/ollama/blob/main/docs/api.md, "Load a model",
-// "Unload a model"). Call it after Result.
+// "Unload a model"). A JSON array is not one: its scan is that of the
+// element being read (see feedArray), and Ollama answers none. Call it
+// after Result.
 func (r *UsageReader) LoadOnly() bool {
 	b := &r.body
-	return !r.unknown && !b.sse && !b.lines && b.scan.loadTop
+	return !r.unknown && !b.sse && !b.lines && b.array <= 0 && b.scan.loadTop
 }
 
 // OpenedWithError reports whether the body is an event stream whose first

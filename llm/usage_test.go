@@ -691,6 +691,10 @@ func TestLoadOnly(t *testing.T) {
 		{"loading", "application/json", `{"done_reason":"loading"}`, false},
 		{"ndjson", "application/x-ndjson", generateLoad + "\n", false},
 		{"event_stream", sse, "data: " + generateLoad + "\n\n", false},
+		// A JSON array is no answer of Ollama's, whole or cut inside an
+		// element.
+		{"array", "application/json", "[" + generateLoad + "]", false},
+		{"array_cut", "application/json", "[" + generateLoad[:len(generateLoad)-1], false},
 	} {
 		wantReadAs(t, tc.name, tc.contentType, tc.body, []int{0, 1, 5, 90}, tc.want, (*UsageReader).LoadOnly)
 	}
