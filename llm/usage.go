@@ -335,11 +335,16 @@ func (r *UsageReader) Result() (Usage, Status) {
 // the page of a proxy in between (HTML, plain text). It reads the body as
 // far as it was written, and for a compressed body as far as Result last
 // decoded it: call it after Result. An event stream is never one; of a
-// newline-delimited JSON body, its first line is read.
+// newline-delimited JSON body, its first line is read, and of a JSON
+// array (see feedArray), its first element: Gemini's
+// streamGenerateContent without alt=sse answers its error as the
+// array's one element ([{"error":{"code":503,"status":"UNAVAILABLE",...}}],
+// https://github.com/continuedev/continue/issues/8308,
+// https://github.com/google-gemini/gemini-cli/issues/6454).
 func (r *UsageReader) ErrorObject() bool {
 	b := &r.body
-	if b.lines && b.events > 0 {
-		return !r.unknown && b.firstError // the first line's
+	if (b.lines || b.array > 0) && b.events > 0 {
+		return !r.unknown && b.firstError // the first line's, or element's
 	}
 	return !r.unknown && !b.sse && b.scan.errorTop
 }

@@ -746,7 +746,17 @@ func TestErrorObject(t *testing.T) {
 		{"after_other_members", "application/json", `{"id":"x","usage":null,"error":null}`, true},
 		{"nested", "application/json", `{"data":{"error":{"message":"x"}}}`, false},
 		{"in_a_string", "application/json", `{"message":"\"error\":1"}`, false},
-		{"array", "application/json", `[{"error":1}]`, false},
+		// Gemini's streamGenerateContent without alt=sse answers its
+		// error as the array's one element: the first element is read, as
+		// the first line of newline-delimited JSON is, whole or cut.
+		{"gemini_array", "application/json", "[{\n  \"error\": {\n    \"code\": 503,\n    \"message\": \"The model is overloaded. " +
+			"Please try again later.\",\n    \"status\": \"UNAVAILABLE\"\n  }\n}\n]", true},
+		{"gemini_array_cut", "application/json", `[{"error":{"code":503,"status":"UNAVAILABLE"`, true},
+		{"array", "application/json", ` [{"error":1}]`, true},
+		{"array_error_after_a_chunk", "application/json", "[" + geminiJSON + `,{"error":{"code":500}}]`, false},
+		{"array_error_after_a_chunk_cut", "application/json", "[" + geminiJSON + `,{"error":{"code":500}`, false},
+		{"array_not_of_objects", "application/json", `["x",{"error":1}]`, false},
+		{"nested_array", "application/json", `[[{"error":1}]]`, false},
 		{"envoy", "text/plain", "upstream connect error or disconnect/reset before headers. reset reason: connection termination", false},
 		{"nginx", "text/html", "<html><head><title>502 Bad Gateway</title></head></html>", false},
 		{"event_stream", sse, "data: {\"error\":{\"message\":\"x\"}}\n\n", false},
