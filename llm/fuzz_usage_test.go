@@ -44,6 +44,7 @@ func FuzzUsageReader(f *testing.F) {
 		`{"us\u0061ge":{"prompt_tokens":1.5e1}}`,
 		`{"usage":{"prompt_tokens":9007199254740991,"completion_tokens":1}}`,
 		geminiJSON, ollamaChatJSON, ollamaEmbedJSON,
+		geminiArray, "[" + geminiJSON + "]", ` [{"error":{"code":429}}]`,
 	} {
 		f.Add([]byte(body), []byte{10, 200}, byte(0))
 		f.Add([]byte(body), []byte{128}, byte(fuzzGzip))
@@ -119,6 +120,17 @@ func FuzzUsageReader(f *testing.F) {
 		if ct != "application/json" || ce != "" {
 			return
 		}
+		// A valid JSON array of objects that carry no usage but Gemini's:
+		// read as the events of a stream, one element each, as Gemini's
+		// chunks are the same with alt=sse.
+		if events, ok := arrayAsEvents(body); ok {
+			r.Reset(sse, "")
+			r.Write(events)
+			if got, st := r.Result(); got != want || st != wantSt {
+				t.Fatalf("as events: %+v, %v; as an array: %+v, %v", got, st, want, wantSt)
+			}
+			return
+		}
 		// A valid JSON object: the usage is its top-level member's, read
 		// alone.
 		member, ok := topLevelUsage(body)
@@ -174,6 +186,44 @@ func topLevelUsage(body []byte) (member []byte, ok bool) {
 		return nil, false
 	}
 	return member, true
+}
+
+// arrayAsEvents returns the elements of a valid JSON array as the events
+// of a stream; ok is false when body is not one, or an element is not an
+// object on one line, or has a top-level member of another provider's
+// usage ("usage", "message", "response", Ollama's counts), which an
+// array does not read.
+func arrayAsEvents(body []byte) (events []byte, ok bool) {
+	d := jsontext.NewDecoder(bytes.NewReader(body))
+	if tok, err := d.ReadToken(); err != nil || tok.Kind() != '[' {
+		return nil, false
+	}
+	for d.PeekKind() != ']' {
+		v, err := d.ReadValue()
+		if err != nil || v.Kind() != '{' || bytes.ContainsAny(v, "\r\n") {
+			return nil, false
+		}
+		e := jsontext.NewDecoder(bytes.NewReader(v))
+		e.ReadToken()
+		for e.PeekKind() == '"' {
+			tok, _ := e.ReadToken()
+			switch tok.String() {
+			case "usage", "message", "response", "prompt_eval_count", "eval_count":
+				return nil, false
+			}
+			if _, err := e.ReadValue(); err != nil {
+				return nil, false
+			}
+		}
+		events = append(append(append(events, "data: "...), v...), "\n\n"...)
+	}
+	if _, err := d.ReadToken(); err != nil {
+		return nil, false
+	}
+	if _, err := d.ReadToken(); err != io.EOF {
+		return nil, false
+	}
+	return events, true
 }
 
 // filterAll writes parts through a filter and returns the output.
