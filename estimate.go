@@ -255,9 +255,20 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 		est.read = read // a whole body priced on_invalid is in memory all the same
 		return est, err
 	}
+	model, mixed := req.Model, req.MixedModels
+	if m := pathModel(urlPath); m != "" {
+		// Gemini's and Vertex AI's model is in the path, and it is what
+		// runs: a model the body names beside it ("models/<m>", as a
+		// batch's requests name theirs) must be the same one, and the
+		// path as it came must name it too.
+		if model != "" && strings.TrimPrefix(model, "models/") != m || !clean && pathModel(r.URL.Path) != m {
+			mixed = true
+		}
+		model = m
+	}
 	if clean && (countsTokens(urlPath) || storesObjects(urlPath) && !startsConversation(urlPath, req) || configures(urlPath) ||
 		ollamaManages(urlPath)) {
-		return tokenEstimate{model: req.Model, noInference: true, read: true}, nil
+		return tokenEstimate{model: model, mixedModels: mixed, noInference: true, read: true}, nil
 	}
 	defaultMax := e.DefaultMaxTokens
 	if clean && !completes(urlPath) { // /v1/chat/completions/../../embeddings keeps its budget
@@ -266,18 +277,7 @@ func (e *Estimate) estimate(w http.ResponseWriter, r *http.Request, streamUsage 
 	// A body with batched requests is not capped (see tokenEstimate.cost),
 	// at a batch path or not: an upstream that normalizes the path
 	// (/v1//messages/batches) runs it as a batch all the same.
-	est := tokenEstimate{prompt: req.PromptTokens, model: req.Model, read: true, batch: req.Requests > 0,
-		mixedModels: req.MixedModels}
-	if m := pathModel(urlPath); m != "" {
-		// Gemini's and Vertex AI's model is in the path, and it is what
-		// runs: a model the body names beside it ("models/<m>", as a
-		// batch's requests name theirs) must be the same one, and the
-		// path as it came must name it too.
-		if est.model != "" && strings.TrimPrefix(est.model, "models/") != m || !clean && pathModel(r.URL.Path) != m {
-			est.mixedModels = true
-		}
-		est.model = m
-	}
+	est := tokenEstimate{prompt: req.PromptTokens, model: model, read: true, batch: req.Requests > 0, mixedModels: mixed}
 	if req.Requests > 0 && clean && batches(urlPath) {
 		if req.Endpoint != "" && !completes(req.Endpoint) && endsIn(urlPath, "/batch/jobs") {
 			// A batch job of embeddings (Mistral's endpoint). Only
@@ -684,10 +684,49 @@ func batches(path string) bool {
 // usage, so charging the prompt would bill a client that counts before it
 // sends twice for one prompt, and never give it back. No other path is
 // one: an upstream that routes by prefix would serve
-// /v1/chat/completions/v1/messages/count_tokens as a completion.
+// /v1/chat/completions/v1/messages/count_tokens as a completion. So are
+// Gemini's and Vertex AI's token counts (see googleCountsTokens).
 func countsTokens(path string) bool {
 	path = strings.TrimRight(path, "/")
-	return path == "/v1/messages/count_tokens" || path == "/v1/responses/input_tokens"
+	return path == "/v1/messages/count_tokens" || path == "/v1/responses/input_tokens" || googleCountsTokens(path)
+}
+
+// googleCountsTokens reports whether path, less a trailing slash, is a
+// token count of Gemini's API (/<version>/models/<model>:countTokens,
+// models.countTokens) or of a Google model on Vertex AI
+// (/<version>/projects/<project>/locations/<location>/publishers/google/models/<model>:countTokens
+// or :computeTokens), the whole path, its version v1, v1beta or v1alpha.
+// Google serves them free, under a quota of their own
+// (https://ai.google.dev/api/tokens,
+// https://cloud.google.com/vertex-ai/generative-ai/docs/multimodal/get-token-count),
+// and their answers report a count (totalTokens, tokensInfo), not usage:
+// the SDKs call them to size a context before each call (Gemini CLI does),
+// and each was charged its prompt and default_max_tokens for good.
+func googleCountsTokens(path string) bool {
+	model := pathModel(path)
+	if model == "" || strings.Contains(model, "/") {
+		return false
+	}
+	rest, ok := strings.CutPrefix(path, "/")
+	if !ok {
+		return false
+	}
+	version, rest, _ := strings.Cut(rest, "/")
+	if version != "v1" && version != "v1beta" && version != "v1alpha" {
+		return false
+	}
+	if rest == "models/"+model+":countTokens" {
+		return true
+	}
+	var seg [6]string // projects, <p>, locations, <l>, publishers, google
+	for i := range seg {
+		var found bool
+		if seg[i], rest, found = strings.Cut(rest, "/"); !found {
+			return false
+		}
+	}
+	return seg[0] == "projects" && seg[1] != "" && seg[2] == "locations" && seg[3] != "" &&
+		seg[4] == "publishers" && seg[5] == "google" && (rest == "models/"+model+":countTokens" || rest == "models/"+model+":computeTokens")
 }
 
 // uploads reports whether a request to path is one whose body is a form

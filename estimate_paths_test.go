@@ -411,6 +411,42 @@ func TestEstimateGoogleEmbeddings(t *testing.T) {
 	}
 }
 
+// TestEstimateGoogleTokenCounts: Gemini's and Vertex AI's token counts
+// (countTokens, computeTokens), which Google serves free and whose answers
+// report a count, not usage, cost 0 tokens and are not settled; they were
+// charged their prompt and default_max_tokens for good. Their model is
+// still the path's, for limits scoped by models. The same body sent to
+// generateContent is estimated.
+func TestEstimateGoogleTokenCounts(t *testing.T) {
+	e := provisioned(t, &Estimate{})
+	const vertex = "/v1/projects/p/locations/us-central1/publishers/google/models/"
+	const body = `{"contents":[{"role":"user","parts":[{"text":"abcdefgh"}]}]}` // 2 tokens
+	for _, tc := range []struct {
+		path string
+		want int64 // -1: 0 tokens and not settled
+	}{
+		{"/v1beta/models/gemini-2.5-flash:countTokens", -1},
+		{vertex + "gemini-2.5-flash:countTokens", -1},
+		{vertex + "gemini-2.5-flash:computeTokens", -1},
+		{"/v1beta/models/gemini-2.5-flash:generateContent", 2 + 1024},
+		// Not at a path with dot segments, nor behind a prefix.
+		{"/v1beta/models/x/../gemini-2.5-flash:countTokens", 2 + 1024},
+		{"/gemini/v1beta/models/gemini-2.5-flash:countTokens", 2 + 1024},
+	} {
+		req := httptest.NewRequest(http.MethodPost, tc.path, strings.NewReader(body))
+		est, err := e.estimate(httptest.NewRecorder(), req, false)
+		got := est.prompt + est.completion
+		switch {
+		case err != nil || est.model != "gemini-2.5-flash":
+			t.Errorf("%s: model %q, %v; want gemini-2.5-flash", tc.path, est.model, err)
+		case tc.want < 0 && (got != 0 || !est.noInference):
+			t.Errorf("%s: estimate %d, not settled %v; want 0 and not settled", tc.path, got, est.noInference)
+		case tc.want >= 0 && (got != tc.want || est.noInference):
+			t.Errorf("%s: estimate %d, not settled %v; want %d and settled", tc.path, got, est.noInference, tc.want)
+		}
+	}
+}
+
 // TestEstimateBatchesNotCapped: a batch's estimate is its charge (its
 // answer reports no usage), so the cap that keeps a large max_tokens from
 // denying a request (tokenEstimate.cost) does not apply to it: a batch

@@ -1446,7 +1446,20 @@ func TestCompletesAndUploads(t *testing.T) {
 		"/v1/responses/input_tokens": true, "/v1/messages": false, "/v1/responses": false, "/v1/chat/completions": false,
 		"/v1/chat/completions/count_tokens": false, "/v1/messages;/count_tokens": false, "/x/input_tokens/": false,
 		"/v1/chat/completions/messages/count_tokens": false, "/v1/chat/completions/v1/responses/input_tokens": false,
-		"/anthropic/v1/messages/count_tokens": false} {
+		"/anthropic/v1/messages/count_tokens": false,
+		// Gemini's and Vertex AI's, the whole path.
+		"/v1beta/models/gemini-2.5-flash:countTokens": true, "/v1/models/gemini-2.5-pro:countTokens/": true,
+		"/v1/projects/p/locations/us-central1/publishers/google/models/gemini-2.5-pro:countTokens":   true,
+		"/v1/projects/p/locations/us-central1/publishers/google/models/gemini-2.5-pro:computeTokens": true,
+		"/v1beta/models/gemini-2.5-flash:computeTokens":                                              false, "/v1beta/models/gemini-2.5-flash:generateContent": false,
+		"/v1beta/models/gemini-2.5-flash:streamGenerateContent": false, "/v2/models/gemini-2.5-flash:countTokens": false,
+		"/gemini/v1beta/models/gemini-2.5-flash:countTokens":                                         false,
+		"/v1/chat/completions/models/gemini-2.5-flash:countTokens":                                   false,
+		"/v1/projects/p/locations/us-central1/publishers/anthropic/models/claude:countTokens":        false,
+		"/v1/projects/p/locations/us-central1/endpoints/123:countTokens":                             false,
+		"/v1/projects//locations/us-central1/publishers/google/models/gemini-2.5-pro:countTokens":    false,
+		"/v1/projects/p/locations/us-central1/publishers/google/x/models/gemini-2.5-pro:countTokens": false,
+		"/v1beta/models/gemini-2.5-flash:countTokens:generateContent":                                false} {
 		if got := countsTokens(path); got != want {
 			t.Errorf("countsTokens(%q) = %v, want %v", path, got, want)
 		}
