@@ -704,7 +704,7 @@ func countsTokens(path string) bool {
 // and each was charged its prompt and default_max_tokens for good.
 func googleCountsTokens(path string) bool {
 	model := pathModel(path)
-	if model == "" || strings.Contains(model, "/") {
+	if model == "" {
 		return false
 	}
 	rest, ok := strings.CutPrefix(path, "/")
