@@ -703,10 +703,6 @@ func countsTokens(path string) bool {
 // the SDKs call them to size a context before each call (Gemini CLI does),
 // and each was charged its prompt and default_max_tokens for good.
 func googleCountsTokens(path string) bool {
-	model := pathModel(path)
-	if model == "" {
-		return false
-	}
 	rest, ok := strings.CutPrefix(path, "/")
 	if !ok {
 		return false
@@ -715,8 +711,8 @@ func googleCountsTokens(path string) bool {
 	if version != "v1" && version != "v1beta" && version != "v1alpha" {
 		return false
 	}
-	if rest == "models/"+model+":countTokens" {
-		return true
+	if call, ok := strings.CutPrefix(rest, "models/"); ok {
+		return modelCall(call, ":countTokens")
 	}
 	var seg [6]string // projects, <p>, locations, <l>, publishers, google
 	for i := range seg {
@@ -725,8 +721,16 @@ func googleCountsTokens(path string) bool {
 			return false
 		}
 	}
-	return seg[0] == "projects" && seg[1] != "" && seg[2] == "locations" && seg[3] != "" &&
-		seg[4] == "publishers" && seg[5] == "google" && (rest == "models/"+model+":countTokens" || rest == "models/"+model+":computeTokens")
+	call, ok := strings.CutPrefix(rest, "models/")
+	return ok && seg[0] == "projects" && seg[1] != "" && seg[2] == "locations" && seg[3] != "" &&
+		seg[4] == "publishers" && seg[5] == "google" && (modelCall(call, ":countTokens") || modelCall(call, ":computeTokens"))
+}
+
+// modelCall reports whether seg is <model><method>: a model name (not
+// empty, without ':' or '/') and the method, as ":countTokens".
+func modelCall(seg, method string) bool {
+	model, ok := strings.CutSuffix(seg, method)
+	return ok && model != "" && !strings.ContainsAny(model, ":/")
 }
 
 // uploads reports whether a request to path is one whose body is a form
